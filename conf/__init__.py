@@ -1,0 +1,49 @@
+"""Hydra configs (the ``*.yaml`` groups beside this file) and their typed schema.
+
+``load(overrides)`` is the one place a ``DictConfig`` exists: it composes
+``config.yaml`` with the overrides, merges the result over ``schema.Config`` and
+returns the typed, validated dataclass tree.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from conf.schema import Config
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names it."""
+
+
+def load(overrides: Sequence[str] = (), config_name: str = "config") -> Config:
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            composed = compose(config_name=config_name, overrides=list(overrides))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), composed)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_describe(exc)) from None
+    except ValueError as exc:  # __post_init__ checks, Hydra override errors
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:  # hydra.errors.* (missing group option, bad override syntax)
+        if type(exc).__module__.startswith("hydra"):
+            raise ConfigError(str(exc)) from None
+        raise
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def _describe(exc: Exception) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+    return f"config key '{key}': {msg}" if key else msg
+
+
+__all__ = ["Config", "ConfigError", "load"]

@@ -1,0 +1,303 @@
+"""Typed configuration: the schema every Hydra config in ``conf/`` is merged over.
+
+Entry points call ``conf.load(overrides)`` once; it composes the Hydra groups, merges
+them over ``Config`` (a misspelled key raises naming the key), converts to these
+dataclasses (running every ``__post_init__`` check) and returns a ``Config``.  Below
+``main()`` nothing sees a ``DictConfig``.
+
+Groups mirror the packages: ``env`` (envhub), ``engine`` (actors), ``algo`` and
+``schedule`` (learner), ``model``, ``logger``, and ``experiment`` bundles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"config key '{key}': {msg}")
+
+
+@dataclass(kw_only=True)
+class TasksConfig:
+    """Which ``data_idx`` values make each split.  Each is a range ``"start:stop"`` or the
+    path of a JSON file (AgentGym-RL's ``[{"item_id": "babyai_17"}, ...]`` or a list of ints)."""
+
+    train: str = "0:1000"
+    test: str = "1000:1100"
+    warmup: str = ""
+    """Tasks for the SFT warm start (defaults to ``train``)."""
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    """One env family: the envhub server's settings and where clients find it."""
+
+    name: str = "babyai"
+    """``babyai``, ``textcraft``, ``sciworld``, ``searchqa`` or ``webarena``."""
+    host: str = "127.0.0.1"
+    """Interface the server binds (clients connect here unless ``url`` is set)."""
+    port: int = 8301
+    url: str = ""
+    """Base URL clients use; empty means ``http://{host}:{port}``."""
+    max_instances: int = 512
+    """Instance limit; ``/create`` beyond it answers 429."""
+    idle_timeout_s: float = 900.0
+    """Instances untouched this long are closed."""
+    max_env_steps: int = 0
+    """Per-episode env step cap enforced by the server (0: the env's own)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Env-specific options (levels, corpus paths, JVM pool size, ...)."""
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.name in ENV_NAMES, "env.name", f"unknown env {self.name!r}; choose one of {sorted(ENV_NAMES)}")
+        _require(0 < self.port < 65536, "env.port", f"{self.port} is not a TCP port")
+        _require(self.max_instances > 0, "env.max_instances", "must be > 0")
+
+    @property
+    def base_url(self) -> str:
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+ENV_NAMES = frozenset({"babyai", "textcraft", "sciworld", "searchqa", "webarena"})
+
+
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    """The model ``turnscale run`` builds itself when ``model.path=tiny`` (no downloads here)."""
+
+    architecture: str = "qwen2"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    vocab_size: int = 2048
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = "tiny"
+    """HF model name or local folder; ``tiny`` builds (once, cached) a small model and tokenizer."""
+    cache_dir: str = ""
+    """Where the tiny model is built; empty: ``~/.cache/turnscale``."""
+    dtype: str = "float32"
+    """Learner compute dtype (``float32``, ``bfloat16``, ``float16``)."""
+    renderer: str = "auto"
+    """Chat renderer: ``auto`` picks from the tokenizer's template (``chatml``, ``llama3``)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"{self.dtype!r} not supported")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """Sent to every actor in ``Welcome``; see ``protocol.messages.SamplingParams``."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    max_context_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.temperature > 0, "sampling.temperature", "must be > 0")
+        _require(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+        _require(self.max_new_tokens > 0, "sampling.max_new_tokens", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class SimEngineConfig:
+    """``engine=sim``: tokens after a delay from a cost model (benchmarks only)."""
+
+    prefill_s_per_token: float = 2e-5
+    decode_s_per_step: float = 5e-3
+    """Seconds per decoding step of the whole batch."""
+    mean_new_tokens: int = 24
+    long_tail: float = 0.2
+    """Probability a turn is long (``max_new_tokens``)."""
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """An actor's inference engine (local to each actor)."""
+
+    name: str = "hf"
+    """``hf`` (transformers, any device), ``vllm`` (CUDA / Ascend) or ``sim``."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 32
+    """Most sequences decoded together."""
+    update_mode: str = "between_turns"
+    """``between_turns`` or ``inflight`` weight swaps."""
+    gpu_memory_utilization: float = 0.85
+    """vLLM only."""
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.name in ("hf", "vllm", "sim"), "engine.name", f"{self.name!r}; choose hf, vllm or sim")
+        _require(self.update_mode in ("between_turns", "inflight"), "engine.update_mode", f"{self.update_mode!r}; choose between_turns or inflight")
+        _require(self.max_batch > 0, "engine.max_batch", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """Advantage estimator and loss.  See ``learner.algorithms`` and ``learner.loss``."""
+
+    name: str = "grpo"
+    """``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``ppo`` (GAE + value head) or ``sft``."""
+    group_size: int = 8
+    lr: float = 1e-6
+    lr_schedule: str = "constant"
+    """``constant`` or ``cosine`` (after warm-up)."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    behaviour_cap: float = 2.0
+    """C: the behaviour weight ``pi_prox / mu`` is truncated at C (token level)."""
+    seq_mask: bool = False
+    """Drop whole sequences whose geometric-mean behaviour weight leaves [seq_mask_low, seq_mask_high]."""
+    seq_mask_low: float = 0.5
+    seq_mask_high: float = 2.0
+    kl_coef: float = 0.0
+    """Weight of KL to the frozen reference (``low_var_kl``); 0 loads no reference."""
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_coef: float = 0.5
+    micro_batch_tokens: int = 8192
+    """Token budget per micro-batch (sequences sorted by length and packed)."""
+
+    def __post_init__(self) -> None:
+        _require(self.name in ALGOS, "algo.name", f"{self.name!r}; choose one of {sorted(ALGOS)}")
+        _require(self.group_size >= 1, "algo.group_size", "must be >= 1")
+        _require(self.lr >= 0, "algo.lr", "must be >= 0")
+        _require(self.lr_schedule in ("constant", "cosine"), "algo.lr_schedule", "constant or cosine")
+        _require(self.behaviour_cap >= 1, "algo.behaviour_cap", "must be >= 1")
+        _require(self.micro_batch_tokens > 0, "algo.micro_batch_tokens", "must be > 0")
+
+
+ALGOS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "sft"})
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """ScalingInter-RL: ``turns[i]`` is in force from step ``i * every``; one entry = fixed."""
+
+    turns: list[int] = field(default_factory=lambda: [10])
+    every: int = 100
+
+    def __post_init__(self) -> None:
+        _require(len(self.turns) > 0 and all(t > 0 for t in self.turns), "schedule.turns", "a non-empty list of positive turn limits")
+        _require(self.every > 0, "schedule.every", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "turnscale"
+    console_every_s: float = 5.0
+    """Seconds between progress lines."""
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    host: str = "127.0.0.1"
+    """Interface the learner binds; actors connect to it."""
+    port: int = 5555
+    """ROUTER for control messages."""
+    pub_port: int = 5556
+    """PUB for announcements."""
+    weights_port: int = 5557
+    """ROUTER for weight chunks (own thread)."""
+    device: str = "cpu"
+    groups_per_step: int = 4
+    max_staleness: int = 1
+    """0: synchronous on-policy training through the same code."""
+    publish_every: int = 1
+    transfer_dtype: str = "float32"
+    chunk_mb: float = 32.0
+    lease_ttl_s: float = 120.0
+    heartbeat_interval_s: float = 5.0
+    steps: int = 100
+    seed: int = 0
+    dir: str = "runs/learner"
+    """Checkpoints, metrics and trajectories go here."""
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    resume: bool = False
+    init_from: str = ""
+    """Start from this checkpoint/model folder instead of ``model.path`` weights (e.g. after SFT)."""
+    save_trajectories: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_staleness >= 0, "learner.max_staleness", "must be >= 0")
+        _require(self.groups_per_step > 0, "learner.groups_per_step", "must be > 0")
+        _require(self.publish_every > 0, "learner.publish_every", "must be > 0")
+        _require(self.transfer_dtype in ("float32", "bfloat16", "float16"), "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    learner_host: str = "127.0.0.1"
+    learner_port: int = 5555
+    max_groups: int = 2
+    """Leases run at once."""
+    actor_id: str = ""
+    """Empty: ``host-pid-random``."""
+    request_timeout_s: float = 30.0
+    reconnect_max_backoff_s: float = 10.0
+    shutdown_grace_s: float = 10.0
+    """On SIGTERM, finish running groups for at most this long, then abandon them."""
+    env_url: str = ""
+    """Override the env server URL the learner announces (e.g. a host-local envhub)."""
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    episodes: int = 200
+    """Oracle episodes played for the SFT warm start (0 skips it)."""
+    steps: int = 40
+    lr: float = 3e-3
+    batch_episodes: int = 16
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """``turnscale run``: every process on one machine."""
+
+    dir: str = "runs/default"
+    actors: int = 2
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    eval_episodes: int = 64
+    """Held-out episodes for the before/after success rates."""
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        _require(self.actors >= 1, "run.actors", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class Config:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    run: RunConfig = field(default_factory=RunConfig)

@@ -1,0 +1,496 @@
+"""Every message that crosses a process boundary between actors and the learner.
+
+Records are frozen, keyword-only dataclasses.  Each field carries a docstring; arrays
+note their shape and dtype (``[T] int32``).  ``protocol.codec`` encodes them as
+MessagePack with the schema version on every message and validates every field on
+decode against the annotations here (plus each record's ``check``).
+
+The conversation (actor ``DEALER`` <-> learner ``ROUTER``, one request, one reply):
+
+    Hello            -> Welcome | ErrorReply
+    LeaseRequest     -> LeaseGrant            (zero leases + retry_after_s when admission is closed)
+    TrajectoryGroup  -> GroupAck              (accepted or dropped, with the reason)
+    Heartbeat        -> HeartbeatAck          (names leases the learner no longer holds)
+    Goodbye          -> GroupAck(lease_id="") (learner releases the actor's leases)
+
+Weights (actor ``DEALER`` <-> learner weights ``ROUTER``, its own socket and thread):
+
+    WeightChunkRequest -> WeightChunk | ErrorReply
+
+Announcements (learner ``PUB`` -> actor ``SUB``): ``PolicyAnnouncement``, ``Shutdown``.
+
+Example::
+
+    lease = Lease(lease_id="l-17", task=Task(env="babyai", data_idx=17),
+                  group_size=8, turn_limit=10, policy_version=3, ttl_s=120.0, seed=17)
+    frames = codec.encode(lease)
+    assert codec.decode(frames) == lease
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protocol.errors import ProtocolError
+
+SCHEMA_VERSION = 1
+"""Bumped on every incompatible change; a message with another version is rejected."""
+
+FINISH_REASONS = frozenset(
+    {"done", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
+)
+"""Why an episode ended.  Only ``done``, ``turn_limit`` and ``context_limit`` episodes
+are trainable; a group holding any other is reported ``failed`` and never trained on."""
+
+TRAINABLE_FINISH_REASONS = frozenset({"done", "turn_limit", "context_limit"})
+
+
+def array_field(dtype: str, ndim: int = 1) -> Any:
+    """A numpy array field: the codec enforces ``dtype`` exactly and ``ndim``."""
+    return field(metadata={"dtype": np.dtype(dtype), "ndim": ndim})
+
+
+def record(cls=None, /, *, eq: bool = True):
+    """Decorator: a frozen, slotted, keyword-only dataclass registered with the codec."""
+
+    def wrap(c):
+        d = dataclass(frozen=True, slots=True, kw_only=True, eq=eq)(c)
+        REGISTRY[d.__name__] = d
+        return d
+
+    return wrap if cls is None else wrap(cls)
+
+
+REGISTRY: dict[str, type] = {}
+"""Type name -> record class; the codec decodes only names listed here."""
+
+
+def _fail(where: str, what: str) -> None:
+    raise ProtocolError(f"{where}: {what}")
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+@record
+class Task:
+    """One task of one environment, as the envhub selects it."""
+
+    env: str
+    """Environment family name (``babyai``, ``textcraft``, ``sciworld``, ``searchqa``, ``webarena``)."""
+    data_idx: int
+    """Index the env server maps deterministically to a task (AgentGym's ``data_idx``)."""
+    split: str = "train"
+    """Which split the index was drawn from (``train``/``test``/``warmup``); informational."""
+    task_id: str = ""
+    """AgentGym-RL's item id (``babyai_17``) when the task came from such a file."""
+
+
+@record
+class SamplingParams:
+    """How actors sample.  Log-prob convention: ``log_softmax(logits / temperature)`` over
+    the full vocabulary, before any top-p/top-k truncation, in float32 — the learner
+    computes the same quantity, so identical weights give identical log-probs."""
+
+    temperature: float = 1.0
+    """Softmax temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    max_new_tokens: int = 256
+    """Maximum tokens generated per turn."""
+    max_context_tokens: int = 4096
+    """An episode whose prompt would exceed this ends with ``context_limit``."""
+
+    def check(self) -> None:
+        if not self.temperature > 0:
+            _fail("SamplingParams.temperature", f"must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            _fail("SamplingParams.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.max_new_tokens <= 0 or self.max_context_tokens <= 0:
+            _fail("SamplingParams", "top_k >= 0, max_new_tokens > 0 and max_context_tokens > 0")
+
+
+@record
+class EnvEndpoint:
+    """Where actors reach one env family's server."""
+
+    name: str
+    """Env family name, as in ``Task.env``."""
+    url: str
+    """Base URL of the envhub server, e.g. ``http://127.0.0.1:8301``."""
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@record
+class TensorInfo:
+    """Where one tensor lives in the concatenated, chunked weight bytes."""
+
+    name: str
+    """Parameter name in the HF state dict (``model.layers.0.mlp.up_proj.weight``)."""
+    dtype: str
+    """Transfer dtype name (``bfloat16``, ``float16``, ``float32``)."""
+    shape: list[int]
+    """Tensor shape."""
+    offset: int
+    """Byte offset of the tensor in the concatenated stream."""
+    nbytes: int
+    """Size in bytes."""
+
+
+@record
+class ChunkInfo:
+    """One chunk of the concatenated weight bytes."""
+
+    index: int
+    """Chunk number, from 0."""
+    offset: int
+    """Byte offset of the chunk in the concatenated stream."""
+    nbytes: int
+    """Chunk size in bytes."""
+    checksum: int
+    """``WeightManifest.checksum_algo`` of the chunk's bytes."""
+
+
+@record
+class WeightManifest:
+    """What a policy version's weights look like on the wire.  Chunks are pulled on
+    request (``WeightChunkRequest``), so a late joiner just pulls the latest version."""
+
+    version: int
+    """Policy version these weights are."""
+    dtype: str
+    """Transfer dtype of every floating tensor."""
+    total_bytes: int
+    """Sum of all tensors' bytes."""
+    checksum_algo: str
+    """Checksum used per chunk (``crc32``)."""
+    tensors: list[TensorInfo]
+    """Every tensor, in stream order."""
+    chunks: list[ChunkInfo]
+    """Every chunk, in stream order; they tile ``[0, total_bytes)``."""
+
+    def check(self) -> None:
+        pos = 0
+        for c in self.chunks:
+            if c.offset != pos or c.nbytes < 0:
+                _fail("WeightManifest.chunks", f"chunk {c.index} does not tile the stream")
+            pos += c.nbytes
+        if pos != self.total_bytes:
+            _fail("WeightManifest", f"chunks cover {pos} bytes, total_bytes is {self.total_bytes}")
+        for t in self.tensors:
+            if t.offset < 0 or t.offset + t.nbytes > self.total_bytes:
+                _fail("WeightManifest.tensors", f"{t.name} lies outside the stream")
+
+
+@record
+class PolicyAnnouncement:
+    """Published on PUB after every weight publication (and re-sent periodically)."""
+
+    version: int
+    """Policy version now current; actors tag sampled tokens with it after swapping."""
+    turn_limit: int
+    """Turn limit in force for leases issued from now on (ScalingInter-RL stage)."""
+    step: int
+    """Learner optimizer step at publication."""
+    manifest: WeightManifest | None = None
+    """How to pull the weights; ``None`` when only the turn limit changed."""
+
+
+@record
+class WeightChunkRequest:
+    """Ask the weights socket for one chunk of one version."""
+
+    version: int
+    """Policy version wanted; the learner keeps only the latest few."""
+    index: int
+    """Chunk index in that version's manifest."""
+
+
+@record(eq=False)
+class WeightChunk:
+    """One chunk of weight bytes."""
+
+    version: int
+    """Policy version it belongs to."""
+    index: int
+    """Chunk index."""
+    checksum: int
+    """Checksum of ``data`` (the manifest's algorithm)."""
+    data: np.ndarray = array_field("uint8")
+    """[nbytes] uint8 raw bytes of the chunk; sent out-of-band without a copy."""
+
+
+# ----------------------------------------------------------------------------- session
+
+
+@record
+class Hello:
+    """First message of an actor (and again after every reconnect)."""
+
+    actor_id: str
+    """Unique per actor process (e.g. ``host-pid-random``)."""
+    host: str
+    """Hostname, for metrics and logs."""
+    pid: int
+    """Process id."""
+    engine: str
+    """Inference engine (``hf``, ``vllm``, ``sim``)."""
+    device: str
+    """Device the engine runs on (``cpu``, ``cuda:0``, ``npu:0``)."""
+    max_groups: int
+    """How many leases the actor will run at once."""
+    schema_version: int = SCHEMA_VERSION
+    """The actor's protocol version (also checked on the envelope)."""
+
+
+@record
+class Welcome:
+    """The run's settings, everything an actor needs to start working."""
+
+    run_id: str
+    """Identifies the learner run; changes when a new run starts (not on resume)."""
+    actor_id: str
+    """Echo of ``Hello.actor_id``."""
+    model_path: str
+    """HF model reference or local folder the actor loads its architecture/tokenizer from."""
+    renderer: str
+    """Chat renderer name (``chatml``, ``llama3``, ``auto``)."""
+    sampling: SamplingParams
+    """Sampling settings for every turn."""
+    envs: list[EnvEndpoint]
+    """Env servers, one per family the learner trains on."""
+    transfer_dtype: str
+    """dtype weights travel in."""
+    pub_endpoint: str
+    """Where to SUB for ``PolicyAnnouncement``/``Shutdown`` (``tcp://host:port``)."""
+    weights_endpoint: str
+    """Where to DEALER for ``WeightChunkRequest``."""
+    heartbeat_interval_s: float
+    """How often to send ``Heartbeat``; a lease not heartbeated for its ttl is re-issued."""
+    policy: PolicyAnnouncement
+    """The current policy (pull its weights before the first lease)."""
+
+
+@record
+class LeaseRequest:
+    """Ask for up to ``max_leases`` new leases."""
+
+    actor_id: str
+    """Who asks."""
+    max_leases: int
+    """How many more the actor can run now (>= 1)."""
+
+
+@record
+class Lease:
+    """A unit of work: play ``group_size`` episodes of ``task`` and send them back as one group."""
+
+    lease_id: str
+    """Unique id; the group must carry it back."""
+    task: Task
+    """The task to play."""
+    group_size: int
+    """Episodes in the group (GRPO's n)."""
+    turn_limit: int
+    """Maximum turns per episode (the schedule stage at issue time)."""
+    policy_version: int
+    """Policy version current at issue time; the actor must hold at least this one."""
+    ttl_s: float
+    """Seconds the lease stays valid without a heartbeat naming it."""
+    seed: int
+    """Sampling seed for the group."""
+
+
+@record
+class LeaseGrant:
+    """Reply to ``LeaseRequest``."""
+
+    leases: list[Lease]
+    """Granted leases; may be empty."""
+    retry_after_s: float
+    """When ``leases`` is short, ask again after this many seconds (admission control)."""
+
+
+@record
+class Turn:
+    """One model turn of an episode."""
+
+    index: int
+    """Turn number from 0."""
+    token_start: int
+    """First token of the sampled assistant output in ``Episode.token_ids``."""
+    token_end: int
+    """One past the last sampled token."""
+    output_text: str
+    """The model's full decoded output for the turn."""
+    action: str
+    """Parsed action sent to the env; empty when the output did not parse."""
+    parse_error: bool
+    """True when the output did not follow the env's action format."""
+    observation: str
+    """The env's (or the format hint's) reply."""
+    reward: float
+    """Step reward from the env."""
+    done: bool
+    """Whether the env ended the episode at this step."""
+    policy_version: int
+    """Policy version that sampled this turn."""
+    gen_latency_s: float
+    """Seconds spent generating."""
+    env_latency_s: float
+    """Seconds spent in the env step."""
+
+
+@record(eq=False)
+class Episode:
+    """One episode: the token-exact stream and what happened per turn."""
+
+    token_ids: np.ndarray = array_field("int32")
+    """[T] int32 the full token stream (prompt, sampled outputs, observation deltas)."""
+    loss_mask: np.ndarray = array_field("uint8")
+    """[T] uint8 1 exactly on tokens the engine sampled, else 0."""
+    logprobs: np.ndarray = array_field("float32")
+    """[T] float32 behaviour log-prob of each sampled token (0 where the mask is 0)."""
+    versions: np.ndarray = array_field("int32")
+    """[T] int32 policy version that sampled each token (-1 where the mask is 0)."""
+    prompt_len: int
+    """Tokens in the first prompt (system + task)."""
+    turns: list[Turn]
+    """Every model turn, in order."""
+    finish_reason: str
+    """One of ``FINISH_REASONS``."""
+    reward: float
+    """Episode return (sum of step rewards; outcome reward for the envs we ship)."""
+    success: bool
+    """Whether the task was solved (env's own flag)."""
+    turn_limit: int
+    """Turn limit in force."""
+    error: str = ""
+    """What went wrong, for ``env_error``/``render_error``/``aborted``."""
+
+    def check(self) -> None:
+        n = len(self.token_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                _fail(f"Episode.{name}", f"length {len(getattr(self, name))} != token_ids length {n}")
+        if self.finish_reason not in FINISH_REASONS:
+            _fail("Episode.finish_reason", f"{self.finish_reason!r} not in {sorted(FINISH_REASONS)}")
+        if not 0 <= self.prompt_len <= n:
+            _fail("Episode.prompt_len", f"{self.prompt_len} outside [0, {n}]")
+        if n and int(self.loss_mask.max(initial=0)) > 1:
+            _fail("Episode.loss_mask", "values must be 0 or 1")
+        for t in self.turns:
+            if not self.prompt_len <= t.token_start <= t.token_end <= n:
+                _fail(f"Episode.turns[{t.index}]", f"token range [{t.token_start}, {t.token_end}) outside the stream")
+
+    @property
+    def trainable(self) -> bool:
+        return self.finish_reason in TRAINABLE_FINISH_REASONS
+
+
+@record(eq=False)
+class TrajectoryGroup:
+    """The finished group of one lease.  ``failed`` groups are counted, never trained on."""
+
+    lease_id: str
+    """The lease this group answers."""
+    actor_id: str
+    """Who played it."""
+    task: Task
+    """Echo of the lease's task."""
+    turn_limit: int
+    """Echo of the lease's turn limit (groups never mix limits)."""
+    episodes: list[Episode]
+    """The group's episodes (``group_size`` of them unless ``failed``)."""
+    failed: bool = False
+    """True when any episode ended in ``env_error``/``render_error``/``aborted``."""
+    error: str = ""
+    """Why it failed."""
+
+    def check(self) -> None:
+        for i, ep in enumerate(self.episodes):
+            if ep.turn_limit != self.turn_limit:
+                _fail(f"TrajectoryGroup.episodes[{i}].turn_limit", f"{ep.turn_limit} != group turn_limit {self.turn_limit}")
+        if not self.failed and any(not ep.trainable for ep in self.episodes):
+            _fail("TrajectoryGroup.failed", "a group holding untrainable episodes must be marked failed")
+
+
+@record
+class GroupAck:
+    """Reply to ``TrajectoryGroup`` (and to ``Goodbye``)."""
+
+    lease_id: str
+    """The group's lease."""
+    accepted: bool
+    """True when the group entered the training buffer."""
+    reason: str = ""
+    """Why it was dropped (``unknown_lease``, ``expired``, ``stale``, ``failed``, ``duplicate``)."""
+
+
+@record
+class Heartbeat:
+    """Liveness, lease renewal and actor statistics."""
+
+    actor_id: str
+    """Who is alive."""
+    lease_ids: list[str]
+    """Leases the actor is still working on; each one's deadline is renewed."""
+    policy_version: int
+    """Version the actor's engine currently holds."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Actor-side counters (``engine_busy``, ``tokens_generated``, ...)."""
+
+
+@record
+class HeartbeatAck:
+    """Reply to ``Heartbeat``."""
+
+    unknown_lease_ids: list[str]
+    """Leases the learner no longer holds (expired and re-issued): abandon them."""
+    policy_version: int
+    """Learner's current version (catch-up hint if an announcement was missed)."""
+
+
+@record
+class Goodbye:
+    """An actor leaves; its leases are released for re-issue at once."""
+
+    actor_id: str
+    """Who leaves."""
+    reason: str = ""
+    """Why (``sigterm``, ``done``)."""
+
+
+@record
+class Shutdown:
+    """Published when the learner ends the run; actors finish and exit."""
+
+    reason: str
+    """Why the run ended."""
+
+
+@record
+class ErrorReply:
+    """Typed error answer to any request."""
+
+    code: str
+    """Machine-readable (``bad_message``, ``not_registered``, ``unknown_version``, ``internal``)."""
+    message: str
+    """What was wrong and how to fix it."""
+    retryable: bool = False
+    """Whether the same request may succeed later."""
+
+
+Message = (
+    Hello | Welcome | LeaseRequest | LeaseGrant | TrajectoryGroup | GroupAck | Heartbeat
+    | HeartbeatAck | Goodbye | Shutdown | ErrorReply | PolicyAnnouncement
+    | WeightChunkRequest | WeightChunk
+)
+"""Every top-level message (nested records like ``Episode`` travel only inside them)."""

@@ -1,0 +1,227 @@
+"""ZeroMQ sockets for trio tasks and for plain threads, with limits set on every socket.
+
+pyzmq has no trio integration.  ``AsyncSocket`` tries every operation with
+``zmq.NOBLOCK``; only on ``zmq.Again`` does it await the socket's file descriptor.
+That FD is edge-triggered and means only "``zmq.EVENTS`` may have changed", so:
+
+1. ``EVENTS`` is re-read before every wait (reading it re-arms the edge);
+2. only one trio task waits on the FD at a time; others park and are woken whenever
+   any operation on the socket succeeds or the waiter returns;
+3. every ``CHECKPOINT_EVERY`` fast-path operations the task yields, so a flood of
+   ready messages cannot starve other tasks;
+4. a multipart send is all-or-nothing (ZeroMQ queues the whole message or raises
+   ``Again`` on the first frame), so cancellation never leaves half a message;
+5. ``close()`` calls ``trio.lowlevel.notify_closing`` before closing the socket.
+
+A socket belongs to one thread; ``AsyncSocket`` to one trio run.  Thread code uses
+plain pyzmq sockets configured by ``configure``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import trio
+import zmq
+
+from protocol import codec
+from protocol.errors import PeerTimeout, TransportError
+
+CHECKPOINT_EVERY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SocketLimits:
+    """Options applied to every socket."""
+
+    max_message_bytes: int = 1 << 30
+    """ZeroMQ ``MAXMSGSIZE``: a peer sending more is disconnected before Python sees it."""
+    sndhwm: int = 1000
+    """Outgoing queue bound, in messages."""
+    rcvhwm: int = 1000
+    """Incoming queue bound, in messages."""
+    linger_ms: int = 0
+    """Never rely on linger to flush (FACTS.md): replies are acknowledged instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """Optional CURVE keys (z85 text).  A server needs its secret key; a client needs the
+    server's public key and a key pair of its own."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes = b""
+
+
+def generate_curve_keys() -> CurveKeys:
+    public, secret = zmq.curve_keypair()
+    return CurveKeys(public=public, secret=secret)
+
+
+def configure(sock: zmq.Socket, limits: SocketLimits = SocketLimits(), curve: CurveKeys | None = None, *, server: bool = False) -> zmq.Socket:
+    """Apply limits (and CURVE when given) to a new socket; returns it."""
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+    sock.setsockopt(zmq.SNDHWM, limits.sndhwm)
+    sock.setsockopt(zmq.RCVHWM, limits.rcvhwm)
+    sock.setsockopt(zmq.LINGER, limits.linger_ms)
+    if curve is not None:
+        if server:
+            sock.curve_server = True
+            sock.curve_secretkey = curve.secret
+            sock.curve_publickey = curve.public
+        else:
+            if not curve.server_public:
+                raise ValueError("CURVE client needs the server's public key (CurveKeys.server_public)")
+            sock.curve_serverkey = curve.server_public
+            sock.curve_secretkey = curve.secret
+            sock.curve_publickey = curve.public
+    return sock
+
+
+class AsyncSocket:
+    """A ZeroMQ socket usable from trio tasks (see the module docstring for the rules)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self._fd = sock.getsockopt(zmq.FD)
+        self._waiting = False
+        self._lot = trio.lowlevel.ParkingLot()
+        self._fast_ops = 0
+        self._closed = False
+
+    async def _wait(self, flag: int) -> None:
+        while not self.sock.getsockopt(zmq.EVENTS) & flag:
+            if self._closed:
+                raise TransportError("socket closed")
+            if self._waiting:
+                await self._lot.park()
+                continue
+            self._waiting = True
+            try:
+                await trio.lowlevel.wait_readable(self._fd)
+            finally:
+                self._waiting = False
+                self._lot.unpark_all()
+
+    async def _fast_path_checkpoint(self) -> None:
+        self._lot.unpark_all()  # others may now find EVENTS changed
+        self._fast_ops += 1
+        if self._fast_ops % CHECKPOINT_EVERY == 0:
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+
+    async def send_multipart(self, frames: Sequence[Any], copy: bool = False) -> None:
+        while True:
+            if self._closed:
+                raise TransportError("socket closed")
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                await self._wait(zmq.POLLOUT)
+                continue
+            except zmq.ZMQError as exc:
+                raise TransportError(f"send failed: {exc}") from exc
+            await self._fast_path_checkpoint()
+            return
+
+    async def recv_multipart(self, copy: bool = False) -> list[Any]:
+        while True:
+            if self._closed:
+                raise TransportError("socket closed")
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                await self._wait(zmq.POLLIN)
+                continue
+            except zmq.ZMQError as exc:
+                raise TransportError(f"recv failed: {exc}") from exc
+            await self._fast_path_checkpoint()
+            return frames
+
+    async def send_msg(self, msg: Any, prefix: Sequence[bytes] = ()) -> None:
+        """Encode and send a record, after optional routing frames (ROUTER identities)."""
+        await self.send_multipart([*prefix, *codec.encode(msg)])
+
+    async def recv_msg(self, limits: codec.Limits = codec.DEFAULT_LIMITS, expect: Any = None) -> Any:
+        """Receive and decode one record (raises ``ProtocolError`` on a bad one)."""
+        frames = await self.recv_multipart()
+        return codec.decode(frames, limits, expect=expect)
+
+    def close(self, linger: int = 0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            trio.lowlevel.notify_closing(self._fd)
+        except RuntimeError:
+            pass  # not inside trio (cleanup after the run ended)
+        self._lot.unpark_all()
+        self.sock.close(linger=linger)
+
+
+class Requester:
+    """Request/response over one DEALER socket from trio, with a timeout per request.
+
+    One request is in flight at a time (a trio lock); a reply that arrives after its
+    request timed out is recognised by its request id frame and discarded, so replies
+    never get out of step with requests.
+    """
+
+    def __init__(self, sock: AsyncSocket, limits: codec.Limits = codec.DEFAULT_LIMITS) -> None:
+        self.sock = sock
+        self.limits = limits
+        self._lock = trio.Lock()
+        self._next_id = 0
+
+    async def request(self, msg: Any, *, timeout_s: float, expect: Any = None) -> Any:
+        async with self._lock:
+            self._next_id += 1
+            rid = self._next_id.to_bytes(8, "little")
+            await self.sock.send_multipart([rid, *codec.encode(msg)])
+            with trio.move_on_after(timeout_s) as scope:
+                while True:
+                    frames = await self.sock.recv_multipart()
+                    if frames and _buf(frames[0]) == rid:
+                        break  # else: a late reply to an earlier, timed-out request
+            if scope.cancelled_caught:
+                raise PeerTimeout(f"no reply to {type(msg).__name__} within {timeout_s:.1f}s")
+            return codec.decode(frames[1:], self.limits, expect=expect)
+
+
+def _buf(frame: Any) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def split_router_frames(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
+    """ROUTER side: ``[identity, request_id, *message]`` -> (reply prefix, message frames).
+
+    The reply prefix is ``[identity, request_id]``; send it back in front of the reply.
+    Raises ``ProtocolError`` when the routing frames are missing.
+    """
+    from protocol.errors import ProtocolError
+
+    if len(frames) < 3:
+        raise ProtocolError(f"expected [identity, request id, message...], got {len(frames)} frame(s)")
+    return [_buf(frames[0]), _buf(frames[1])], frames[2:]
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for tests and the one-machine launcher)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def actor_identity() -> bytes:
+    """A fresh ZeroMQ routing identity (stable across one connection only)."""
+    return os.urandom(8)

@@ -1,0 +1,68 @@
+"""Test-wide rules: one OpenMP thread in this process and every child; hardware markers skip cleanly."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+
+def _torch_threads() -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import sys
+
+    if "torch" in sys.modules:
+        _torch_threads()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    import sys
+
+    if "torch" in sys.modules:
+        _torch_threads()
+    yield
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _has_npu() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+        import torch
+
+        return torch.npu.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = npu = None
+    for item in items:
+        if "gpu" in item.keywords:
+            gpu = _has_cuda() if gpu is None else gpu
+            if not gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "npu" in item.keywords:
+            npu = _has_npu() if npu is None else npu
+            if not npu:
+                item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch-npu"))

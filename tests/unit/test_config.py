@@ -1,0 +1,53 @@
+import pytest
+
+import conf
+from conf.schema import Config
+
+GROUPS = {
+    "env": ["babyai", "textcraft", "sciworld", "searchqa", "webarena"],
+    "algo": ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "sft"],
+    "engine": ["hf", "vllm", "sim"],
+    "schedule": ["fixed", "scaling"],
+    "model": ["tiny", "qwen2_5_7b"],
+    "logger": ["default"],
+    "experiment": ["agentgym_babyai"],
+}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes_to_typed_config(group, option):
+    cfg = conf.load([f"{group}={option}"])
+    assert isinstance(cfg, Config)
+    if group in ("env", "algo", "engine"):
+        assert getattr(cfg, group).name == option
+
+
+def test_every_group_file_is_listed_here():
+    from importlib import resources
+
+    root = resources.files("conf")
+    for group, opts in GROUPS.items():
+        found = sorted(p.name[:-5] for p in (root / group).iterdir() if p.name.endswith(".yaml"))
+        assert found == sorted(opts), group
+
+
+def test_misspelled_key_names_the_key():
+    with pytest.raises(conf.ConfigError, match="algo.lrr"):
+        conf.load(["algo.lrr=1"])
+    with pytest.raises(conf.ConfigError, match="algo.lrr"):
+        conf.load(["+algo.lrr=1"])
+
+
+def test_bad_value_names_the_key():
+    with pytest.raises(conf.ConfigError, match="algo.name"):
+        conf.load(["algo.name=foo"])
+    with pytest.raises(conf.ConfigError, match="env.port"):
+        conf.load(["env.port=abc"])
+    with pytest.raises(conf.ConfigError, match="schedule.turns"):
+        conf.load(["schedule.turns=[]"])
+
+
+def test_experiment_overrides_groups():
+    cfg = conf.load(["experiment=agentgym_babyai"])
+    assert cfg.schedule.turns == [6, 13, 20]
+    assert cfg.engine.name == "vllm"

@@ -1,0 +1,3 @@
+from turnscale.cli import main
+
+raise SystemExit(main())
