@@ -1,0 +1,1 @@
+"""Environment servers over HTTP, wire-compatible with AgentGym's, with its defects fixed."""

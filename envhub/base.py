@@ -1,0 +1,73 @@
+"""The one interface every environment implements; the server wraps it in HTTP.
+
+An ``Env`` instance is used by one request at a time (the server holds a per-instance
+lock), so implementations need no locking of their own.  ``reset`` may be called again
+on the same instance for a new episode (instances are reused across episodes).
+
+Reward convention (the same in every env): ``reward`` of a step is in [0, 1]; the
+episode's return is the sum of step rewards; ``info["success"]`` is True exactly when
+the task was solved.  Envs whose native score differs (SciWorld 0-100) document the
+mapping and also return the native value under its AgentGym name (``score``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class StepResult:
+    observation: str
+    """Text shown to the agent after the action (or why the action was rejected)."""
+    reward: float
+    """Step reward, see the module docstring."""
+    done: bool
+    """The episode ended (success, failure or the env's own terminal state)."""
+    truncated: bool = False
+    """The env's own step cap ended the episode (distinct from ``done``)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """``success`` (bool) always; env-specific extras."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """AgentGym fields merged into the response as they are (``score`` for BabyAI/SciWorld)."""
+
+
+@dataclass
+class ResetResult:
+    observation: str
+    """First observation: task description plus the initial state."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Task metadata (``category``: level / depth / task type / dataset)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """AgentGym reset fields merged into the response (``task_name``, ``score``, ...)."""
+
+
+class Env(Protocol):
+    """One environment instance."""
+
+    def reset(self, data_idx: int) -> ResetResult:
+        """Start the episode selected deterministically by ``data_idx``."""
+
+    def step(self, action: str) -> StepResult:
+        """Apply one action (raw text from the agent's parsed action).  A malformed or
+        impossible action is a normal step whose observation says why."""
+
+    def observation(self) -> str:
+        """The current observation text (AgentGym's ``GET /observation``)."""
+
+    def close(self) -> None:
+        """Release resources (idempotent)."""
+
+
+class EnvFamily(Protocol):
+    """Builds instances of one env family; one per server process."""
+
+    name: str
+
+    def create(self) -> Env: ...
+
+    def num_tasks(self) -> int:
+        """Number of distinct ``data_idx`` values before wrapping (for docs and splits)."""
+
+    def close(self) -> None:
+        """Release shared resources (JVM pools, indexes)."""

@@ -1,0 +1,23 @@
+"""Env family name -> ``module:factory``; imported lazily so a server loads only its own deps.
+
+``factory(cfg: conf.schema.EnvConfig) -> envhub.base.EnvFamily``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+FAMILIES: dict[str, str] = {
+    "babyai": "envhub.babyai:make_family",
+    "textcraft": "envhub.textcraft:make_family",
+    "sciworld": "envhub.sciworld:make_family",
+    "searchqa": "envhub.searchqa:make_family",
+    "webarena": "envhub.webarena:make_family",
+}
+
+
+def make_family(cfg):
+    if cfg.name not in FAMILIES:
+        raise ValueError(f"config key 'env.name': unknown env {cfg.name!r}; choose one of {sorted(FAMILIES)}")
+    module, attr = FAMILIES[cfg.name].split(":")
+    return getattr(importlib.import_module(module), attr)(cfg)
