@@ -68,6 +68,8 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES) -> list[byte
 
     def default(obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
+            if obj.dtype not in _ALLOWED_DTYPES:
+                raise ProtocolError(f"cannot encode an array of dtype {obj.dtype} in {name}: not allowed on the wire")
             arr = np.ascontiguousarray(obj)
             meta_dtype = arr.dtype.str
             if arr.nbytes >= out_of_band_bytes:
@@ -83,7 +85,12 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES) -> list[byte
         raise ProtocolError(f"cannot encode value of type {type(obj).__name__} in {name}")
 
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    frames[0] = msgpack.packb({"v": SCHEMA_VERSION, "t": name, "b": body}, default=default, use_bin_type=True)
+    try:
+        frames[0] = msgpack.packb({"v": SCHEMA_VERSION, "t": name, "b": body}, default=default, use_bin_type=True)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. an int beyond 64 bits
+        raise ProtocolError(f"cannot encode {name}: {type(exc).__name__} {exc}") from None
     return frames
 
 
@@ -112,6 +119,40 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
         raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
 
 
+@dataclass(frozen=True, slots=True)
+class _ArrayRef:
+    """An array ext as parsed from frame 0; validated (dtype, shape, size, frame) only once
+    the field it sits in is known, so every error names the field path."""
+
+    code: int
+    dtype: Any
+    shape: Any
+    data: Any
+
+
+class _Ctx:
+    """Per-message decoding state: the frames, the limits, which frames arrays used."""
+
+    __slots__ = ("bufs", "limits", "used")
+
+    def __init__(self, bufs: list[memoryview], limits: Limits) -> None:
+        self.bufs = bufs
+        self.limits = limits
+        self.used: set[int] = set()
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code not in (ARRAY_INLINE, ARRAY_FRAME):
+        raise ProtocolError(f"unknown msgpack ext type {code} (arrays are {ARRAY_INLINE} inline, {ARRAY_FRAME} out-of-band)")
+    try:
+        meta = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=64, max_array_len=64, max_map_len=0)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"array ext is not valid msgpack: {type(exc).__name__} {exc}") from None
+    if not (isinstance(meta, list) and len(meta) == 3):
+        raise ProtocolError("array ext must be [dtype, shape, data]")
+    return _ArrayRef(code, meta[0], meta[1], meta[2])
+
+
 def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
     if not frames:
         raise ProtocolError("empty message: no frames")
@@ -121,72 +162,76 @@ def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
         raise ProtocolError(f"message is {total} bytes, over the limit of {limits.max_message_bytes}")
     if bufs[0].nbytes > limits.max_header_bytes:
         raise ProtocolError(f"header frame is {bufs[0].nbytes} bytes, over {limits.max_header_bytes}")
-    used_frames: set[int] = set()
-
-    def ext_hook(code: int, data: bytes) -> Any:
-        if code not in (ARRAY_INLINE, ARRAY_FRAME):
-            raise ProtocolError(f"unknown msgpack ext type {code}")
-        meta = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], str) and isinstance(meta[1], list)):
-            raise ProtocolError("array ext must be [dtype, shape, data]")
-        try:
-            dtype = np.dtype(meta[0])
-        except TypeError:
-            raise ProtocolError(f"unknown dtype {meta[0]!r}") from None
-        if dtype not in _ALLOWED_DTYPES:
-            raise ProtocolError(f"dtype {meta[0]!r} is not allowed on the wire")
-        shape = meta[1]
-        if len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise ProtocolError(f"bad array shape {shape!r}")
-        count = 1
-        for d in shape:
-            count *= d
-        nbytes = count * dtype.itemsize
-        if nbytes > limits.max_array_bytes:
-            raise ProtocolError(f"array of {nbytes} bytes is over the limit of {limits.max_array_bytes}")
-        if code == ARRAY_INLINE:
-            raw = meta[2]
-            if not isinstance(raw, bytes):
-                raise ProtocolError("inline array data must be bytes")
-        else:
-            idx = meta[2]
-            if not isinstance(idx, int) or isinstance(idx, bool) or not 1 <= idx < len(bufs) or idx in used_frames:
-                raise ProtocolError(f"array refers to frame {idx!r}, which is missing or used twice")
-            used_frames.add(idx)
-            raw = bufs[idx]
-        if len(raw) != nbytes:
-            raise ProtocolError(f"array data is {len(raw)} bytes, shape {shape} of {dtype.name} needs {nbytes}")
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
-
     try:
         env = msgpack.unpackb(
             bufs[0],
             raw=False,
             strict_map_key=True,
-            ext_hook=ext_hook,
+            ext_hook=_ext_hook,
             max_str_len=limits.max_items,
-            max_bin_len=limits.max_array_bytes,
+            max_bin_len=limits.max_header_bytes,
             max_array_len=limits.max_items,
             max_map_len=limits.max_items,
-            max_ext_len=limits.max_array_bytes,
+            max_ext_len=limits.max_header_bytes,  # inline arrays: checked per field
         )
     except ProtocolError:
         raise
-    except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as exc:
-        raise ProtocolError(f"not valid msgpack: {exc}") from None
+    except msgpack.StackError:
+        raise ProtocolError("not valid msgpack: message nests too deeply") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"not valid msgpack: {type(exc).__name__} {exc}") from None
 
     if not isinstance(env, dict) or set(env) != {"v", "t", "b"}:
         raise ProtocolError("envelope must be a map with exactly keys v, t, b")
-    if env["v"] != SCHEMA_VERSION:
+    if type(env["v"]) is not int or env["v"] != SCHEMA_VERSION:
         raise ProtocolError(f"schema version {env['v']!r} != {SCHEMA_VERSION}; upgrade the older side")
     cls = REGISTRY.get(env["t"]) if isinstance(env["t"], str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {env['t']!r}")
     if expect is not None and not issubclass(cls, expect):
         raise ProtocolError(f"got {cls.__name__}, expected {_names(expect)}")
-    if len(used_frames) != len(bufs) - 1:
-        raise ProtocolError(f"{len(bufs) - 1 - len(used_frames)} frame(s) not referenced by the message")
-    return _build(cls, env["b"], cls.__name__)
+    ctx = _Ctx(bufs, limits)
+    obj = _build(cls, env["b"], cls.__name__, ctx)
+    if len(ctx.used) != len(bufs) - 1:
+        unused = sorted(set(range(1, len(bufs))) - ctx.used)
+        raise ProtocolError(f"{cls.__name__}: frame(s) {unused} not referenced by any array field")
+    return obj
+
+
+def _array(ref: _ArrayRef, path: str, ctx: _Ctx) -> np.ndarray:
+    """Validate an array ext and view its bytes without copying."""
+    if not isinstance(ref.dtype, str) or not isinstance(ref.shape, list):
+        raise ProtocolError(f"{path}: array ext must be [dtype: str, shape: list, data]")
+    try:
+        dtype = np.dtype(ref.dtype)
+    except (TypeError, ValueError, SyntaxError):
+        raise ProtocolError(f"{path}: unknown dtype {ref.dtype!r}") from None
+    if dtype not in _ALLOWED_DTYPES:
+        raise ProtocolError(f"{path}: dtype {ref.dtype!r} is not allowed on the wire")
+    shape = ref.shape
+    if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
+        raise ProtocolError(f"{path}: bad array shape {shape!r}")
+    count = 1
+    for d in shape:
+        count *= d
+    nbytes = count * dtype.itemsize
+    if nbytes > ctx.limits.max_array_bytes or max(shape, default=0) > ctx.limits.max_array_bytes:
+        raise ProtocolError(f"{path}: array of shape {shape} ({nbytes} bytes) is over the limit of {ctx.limits.max_array_bytes} bytes")
+    if ref.code == ARRAY_INLINE:
+        raw = ref.data
+        if not isinstance(raw, bytes):
+            raise ProtocolError(f"{path}: inline array data must be bytes")
+    else:
+        idx = ref.data
+        if type(idx) is not int or not 1 <= idx < len(ctx.bufs):
+            raise ProtocolError(f"{path}: array refers to frame {idx!r}, which is missing")
+        if idx in ctx.used:
+            raise ProtocolError(f"{path}: array refers to frame {idx}, which another array already used")
+        ctx.used.add(idx)
+        raw = ctx.bufs[idx]
+    if len(raw) != nbytes:
+        raise ProtocolError(f"{path}: array data is {len(raw)} bytes, shape {shape} of {dtype.name} needs {nbytes}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def _names(expect: Any) -> str:
@@ -205,7 +250,7 @@ def _schema(cls: type) -> tuple[tuple[str, Any, dict, bool], ...]:
     return tuple(out)
 
 
-def _build(cls: type, body: Any, path: str) -> Any:
+def _build(cls: type, body: Any, path: str, ctx: _Ctx) -> Any:
     if not isinstance(body, dict):
         raise ProtocolError(f"{path}: expected a map, got {type(body).__name__}")
     schema = _schema(cls)
@@ -219,7 +264,7 @@ def _build(cls: type, body: Any, path: str) -> Any:
             if required:
                 raise ProtocolError(f"{path}.{name}: missing required field")
             continue
-        kwargs[name] = _convert(tp, body[name], f"{path}.{name}", meta)
+        kwargs[name] = _convert(tp, body[name], f"{path}.{name}", meta, ctx)
     try:
         obj = cls(**kwargs)
     except ProtocolError:
@@ -228,12 +273,21 @@ def _build(cls: type, body: Any, path: str) -> Any:
         raise ProtocolError(f"{path}: {exc}") from None
     check = getattr(obj, "check", None)
     if check is not None:
-        check()
+        try:
+            check()
+        except ProtocolError as exc:
+            if path == cls.__name__:
+                raise
+            raise ProtocolError(f"{path}: {exc}") from None  # nested: say where it sits
     return obj
 
 
-def _convert(tp: Any, value: Any, path: str, meta: dict) -> Any:
+def _convert(tp: Any, value: Any, path: str, meta: dict, ctx: _Ctx) -> Any:
     origin = typing.get_origin(tp)
+    if isinstance(value, _ArrayRef):
+        if tp is not np.ndarray:
+            raise ProtocolError(f"{path}: expected {_type_name(tp)}, got an array")
+        value = _array(value, path, ctx)
     if tp is np.ndarray:
         if not isinstance(value, np.ndarray):
             raise ProtocolError(f"{path}: expected an array, got {type(value).__name__}")
@@ -255,22 +309,22 @@ def _convert(tp: Any, value: Any, path: str, meta: dict) -> Any:
             if a is type(None):
                 continue
             try:
-                return _convert(a, value, path, meta)
+                return _convert(a, value, path, meta, ctx)
             except ProtocolError as e:
                 errors.append(str(e))
-        raise ProtocolError(errors[0] if len(errors) == 1 else f"{path}: matches none of {args}")
+        raise ProtocolError(errors[0] if len(errors) == 1 else f"{path}: matches none of {_type_name(tp)}")
     if origin is list:
         if not isinstance(value, list):
             raise ProtocolError(f"{path}: expected a list, got {type(value).__name__}")
         (item,) = typing.get_args(tp)
-        return [_convert(item, v, f"{path}[{i}]", meta) for i, v in enumerate(value)]
+        return [_convert(item, v, f"{path}[{i}]", meta, ctx) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{path}: expected a map, got {type(value).__name__}")
         kt, vt = typing.get_args(tp)
-        return {_convert(kt, k, f"{path}.<key>", {}): _convert(vt, v, f"{path}[{k!r}]", meta) for k, v in value.items()}
+        return {_convert(kt, k, f"{path}.<key>", {}, ctx): _convert(vt, v, f"{path}[{k!r}]", meta, ctx) for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
+        return _build(tp, value, path, ctx)
     if tp is bool:
         if not isinstance(value, bool):
             raise ProtocolError(f"{path}: expected bool, got {type(value).__name__}")
@@ -292,3 +346,7 @@ def _convert(tp: Any, value: Any, path: str, meta: dict) -> Any:
             raise ProtocolError(f"{path}: expected bytes, got {type(value).__name__}")
         return value
     raise ProtocolError(f"{path}: unsupported field type {tp!r}")  # a schema bug, caught by tests
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

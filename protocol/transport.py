@@ -7,11 +7,15 @@ That FD is edge-triggered and means only "``zmq.EVENTS`` may have changed", so:
 1. ``EVENTS`` is re-read before every wait (reading it re-arms the edge);
 2. only one trio task waits on the FD at a time; others park and are woken whenever
    any operation on the socket succeeds or the waiter returns;
-3. every ``CHECKPOINT_EVERY`` fast-path operations the task yields, so a flood of
+3. every successful operation wakes the FD waiter (its wait is cancelled and it re-reads
+   ``EVENTS``): libzmq may consume the FD's edge inside another task's send/recv;
+4. every ``CHECKPOINT_EVERY`` fast-path operations the task yields, so a flood of
    ready messages cannot starve other tasks;
-4. a multipart send is all-or-nothing (ZeroMQ queues the whole message or raises
-   ``Again`` on the first frame), so cancellation never leaves half a message;
-5. ``close()`` calls ``trio.lowlevel.notify_closing`` before closing the socket.
+5. cancellation is checked before an operation, never after it succeeds: a cancelled
+   send sent nothing and a cancelled receive took nothing off the socket; a multipart
+   send is all-or-nothing (ZeroMQ queues the whole message or raises ``Again`` on the
+   first frame), so cancellation never leaves half a message;
+6. ``close()`` calls ``trio.lowlevel.notify_closing`` before closing the socket.
 
 A socket belongs to one thread; ``AsyncSocket`` to one trio run.  Thread code uses
 plain pyzmq sockets configured by ``configure``.
@@ -27,7 +31,7 @@ import trio
 import zmq
 
 from protocol import codec
-from protocol.errors import PeerTimeout, TransportError
+from protocol.errors import PeerTimeout, RemoteError, TransportError
 
 CHECKPOINT_EVERY = 16
 
@@ -88,33 +92,47 @@ class AsyncSocket:
         self.sock = sock
         self._fd = sock.getsockopt(zmq.FD)
         self._waiting = False
+        self._wake: trio.CancelScope | None = None
         self._lot = trio.lowlevel.ParkingLot()
         self._fast_ops = 0
         self._closed = False
 
     async def _wait(self, flag: int) -> None:
-        while not self.sock.getsockopt(zmq.EVENTS) & flag:
+        while True:
             if self._closed:
                 raise TransportError("socket closed")
+            if self.sock.getsockopt(zmq.EVENTS) & flag:
+                return
             if self._waiting:
                 await self._lot.park()
                 continue
             self._waiting = True
             try:
-                await trio.lowlevel.wait_readable(self._fd)
+                with trio.CancelScope() as self._wake:
+                    await trio.lowlevel.wait_readable(self._fd)
+            except trio.ClosedResourceError:
+                raise TransportError("socket closed") from None
             finally:
                 self._waiting = False
+                self._wake = None
                 self._lot.unpark_all()
 
-    async def _fast_path_checkpoint(self) -> None:
-        self._lot.unpark_all()  # others may now find EVENTS changed
+    async def _after_success(self) -> None:
+        # A successful operation may have consumed the FD's edge (libzmq processes its
+        # command mailbox inside send/recv), so whoever waits on the FD must re-read
+        # EVENTS: wake the FD waiter and every parked task.
+        if self._wake is not None:
+            self._wake.cancel()
+        self._lot.unpark_all()
         self._fast_ops += 1
         if self._fast_ops % CHECKPOINT_EVERY == 0:
-            await trio.lowlevel.checkpoint()
-        else:
-            await trio.lowlevel.checkpoint_if_cancelled()
+            # Schedule point only: the operation has happened, so it must not be undone
+            # by a Cancelled raised after it (trio: a cancelled operation did not happen).
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def send_multipart(self, frames: Sequence[Any], copy: bool = False) -> None:
+        """Send one multipart message, all or nothing; if cancelled, nothing was sent."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self._closed:
                 raise TransportError("socket closed")
@@ -125,10 +143,12 @@ class AsyncSocket:
                 continue
             except zmq.ZMQError as exc:
                 raise TransportError(f"send failed: {exc}") from exc
-            await self._fast_path_checkpoint()
+            await self._after_success()
             return
 
     async def recv_multipart(self, copy: bool = False) -> list[Any]:
+        """Receive one multipart message; if cancelled, nothing was taken off the socket."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self._closed:
                 raise TransportError("socket closed")
@@ -139,7 +159,7 @@ class AsyncSocket:
                 continue
             except zmq.ZMQError as exc:
                 raise TransportError(f"recv failed: {exc}") from exc
-            await self._fast_path_checkpoint()
+            await self._after_success()
             return frames
 
     async def send_msg(self, msg: Any, prefix: Sequence[bytes] = ()) -> None:
@@ -162,6 +182,12 @@ class AsyncSocket:
         self._lot.unpark_all()
         self.sock.close(linger=linger)
 
+    async def __aenter__(self) -> AsyncSocket:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
 
 class Requester:
     """Request/response over one DEALER socket from trio, with a timeout per request.
@@ -178,18 +204,31 @@ class Requester:
         self._next_id = 0
 
     async def request(self, msg: Any, *, timeout_s: float, expect: Any = None) -> Any:
+        """Send ``msg`` and return the decoded reply.
+
+        Raises ``PeerTimeout`` when no reply (or no room to send) within ``timeout_s``,
+        ``RemoteError`` when the peer answers with an ``ErrorReply``, and ``ProtocolError``
+        when the reply is malformed or not of an ``expect`` type.
+        """
+        from protocol.messages import ErrorReply
+
         async with self._lock:
             self._next_id += 1
             rid = self._next_id.to_bytes(8, "little")
-            await self.sock.send_multipart([rid, *codec.encode(msg)])
+            frames = codec.encode(msg)
             with trio.move_on_after(timeout_s) as scope:
+                await self.sock.send_multipart([rid, *frames])
                 while True:
-                    frames = await self.sock.recv_multipart()
-                    if frames and _buf(frames[0]) == rid:
+                    reply = await self.sock.recv_multipart()
+                    if reply and _buf(reply[0]) == rid:
                         break  # else: a late reply to an earlier, timed-out request
             if scope.cancelled_caught:
                 raise PeerTimeout(f"no reply to {type(msg).__name__} within {timeout_s:.1f}s")
-            return codec.decode(frames[1:], self.limits, expect=expect)
+            want = None if expect is None else (*(expect if isinstance(expect, tuple) else (expect,)), ErrorReply)
+            out = codec.decode(reply[1:], self.limits, expect=want)
+            if isinstance(out, ErrorReply):
+                raise RemoteError(out.code, out.message, out.retryable)
+            return out
 
 
 def _buf(frame: Any) -> bytes:

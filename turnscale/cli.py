@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             print(f"turnscale {role}: not built yet ({module_name} does not exist)", file=sys.stderr)
             return 2
         raise
