@@ -16,13 +16,14 @@ SHORTHANDS = {"host": "env.host", "port": "env.port"}
 
 
 def rewrite_overrides(argv: list[str]) -> list[str]:
-    """``host=X`` -> ``env.host=X``, ``port=N`` -> ``env.port=N`` (also with ``+``/``++``)."""
+    """``host=X`` -> ``++env.host=X``, ``port=N`` -> ``++env.port=N`` (``++``: set whether or not
+    the env yaml names the key)."""
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
         bare = key.lstrip("+")
         if sep and bare in SHORTHANDS:
-            arg = f"{SHORTHANDS[bare]}={value}"
+            arg = f"++{SHORTHANDS[bare]}={value}"
         out.append(arg)
     return out
 
