@@ -28,6 +28,8 @@ or the move count exceeds ``step_limit`` (then also ``truncated`` unless complet
 Options (``env.options``):
   ``jvm_pool``: most JVMs alive at once (default 2; more than the core count lowers throughput).
   ``jvm_wait_s``: how long ``reset`` waits for a free JVM before ``PoolExhausted`` (default 120).
+  ``max_waiting``: most resets waiting for a JVM at once; more fail at once with
+    ``PoolExhausted`` (default 16, half the server's env threads).
   ``step_limit``: the simulator's move limit per episode (default 100, the package's and AgentGym's).
   ``java_opts``: ``JAVA_TOOL_OPTIONS`` for the JVMs unless that variable is already set
     (default ``-Xmx256m -XX:+UseSerialGC``).
@@ -71,13 +73,16 @@ class JvmPool:
     """At most ``size`` ScienceWorld JVMs, started on demand, lent one borrower at a time.
 
     Invariant: ``len(idle) + borrowed + starting <= size``.  ``acquire`` prefers an idle JVM,
-    else starts one if there is room, else waits.  Thread-safe.
+    else starts one if there is room, else waits — but at most ``max_waiting`` callers wait at
+    once (the server runs env calls on a bounded thread pool; waiting resets must not occupy all
+    of it and starve the steps of running episodes); beyond that it fails at once.  Thread-safe.
     """
 
-    def __init__(self, size: int, step_limit: int = 100, java_opts: str = JAVA_OPTS) -> None:
+    def __init__(self, size: int, step_limit: int = 100, java_opts: str = JAVA_OPTS, max_waiting: int = 16) -> None:
         if size < 1:
             raise ValueError("config key 'env.options.jvm_pool': must be >= 1")
-        self.size, self.step_limit, self.java_opts = size, step_limit, java_opts
+        self.size, self.step_limit, self.java_opts, self.max_waiting = size, step_limit, java_opts, max_waiting
+        self._waiting = 0
         self._idle: list[Any] = []
         self._live = 0
         self._cond = threading.Condition()
@@ -105,12 +110,16 @@ class JvmPool:
                     self._live += 1
                     break
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._waiting >= self.max_waiting:
                     raise PoolExhausted(
-                        f"all {self.size} ScienceWorld JVMs are busy after {timeout_s:.0f} s; raise "
-                        "env.options.jvm_pool or run fewer concurrent episodes"
+                        f"all {self.size} ScienceWorld JVMs are busy ({self._waiting} resets already waiting, "
+                        f"waited {timeout_s:.0f} s at most); raise env.options.jvm_pool or run fewer concurrent episodes"
                     )
-                self._cond.wait(left)
+                self._waiting += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
         try:
             return self._start()
         except BaseException:
@@ -269,6 +278,7 @@ class SciWorldEnv:
 OPTIONS: dict[str, Any] = {
     "jvm_pool": 2,
     "jvm_wait_s": 120.0,
+    "max_waiting": 16,
     "step_limit": 100,
     "java_opts": JAVA_OPTS,
     "simplifications": "",
@@ -282,8 +292,8 @@ class SciWorldFamily:
     name = "sciworld"
 
     def __init__(self, jvm_pool: int = 2, jvm_wait_s: float = 120.0, step_limit: int = 100,
-                 java_opts: str = JAVA_OPTS, simplifications: str = "") -> None:
-        self.pool = JvmPool(jvm_pool, step_limit, java_opts)
+                 java_opts: str = JAVA_OPTS, simplifications: str = "", max_waiting: int = 16) -> None:
+        self.pool = JvmPool(jvm_pool, step_limit, java_opts, max_waiting)
         self.jvm_wait_s, self.step_limit, self.simplifications = jvm_wait_s, step_limit, simplifications
         jvm = self.pool.acquire(jvm_wait_s)  # the first JVM lists the tasks, then joins the pool
         try:
@@ -306,4 +316,4 @@ class SciWorldFamily:
 def make_family(cfg) -> SciWorldFamily:
     o = read_options(cfg.options, OPTIONS, "sciworld")
     return SciWorldFamily(int(o["jvm_pool"]), float(o["jvm_wait_s"]), int(o["step_limit"]),
-                          str(o["java_opts"]), str(o["simplifications"]))
+                          str(o["java_opts"]), str(o["simplifications"]), int(o["max_waiting"]))

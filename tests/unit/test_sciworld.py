@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -43,6 +44,20 @@ def test_pool_reuses_idle_jvms_and_caps_live_ones():
     pool.release(a)
     pool.close()
     assert a.closed and c.closed and pool.live == 0
+
+
+def test_pool_limits_how_many_callers_wait():
+    pool = _FakePool(1, max_waiting=1)
+    a = pool.acquire(1)
+    t = threading.Thread(target=lambda: pytest.raises(PoolExhausted, pool.acquire, 3))
+    t.start()
+    deadline = time.monotonic() + 5
+    while pool._waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(PoolExhausted, match="1 resets already waiting"):
+        pool.acquire(5)  # fails at once instead of waiting 5 s
+    t.join(5)
+    pool.release(a)
 
 
 def test_pool_waiter_gets_the_released_jvm():
