@@ -399,6 +399,13 @@ class _Failed(Exception):
     """An action the game rejects; its message is the observation."""
 
 
+def _count(digits: str, what: str) -> int:
+    """A count the agent wrote; absurdly long numbers are rejected, not converted."""
+    if len(digits) > 6:
+        raise _Failed(f"Could not find {what}")
+    return int(digits)
+
+
 class TextCraftEnv:
     """One TextCraft game; ``reset`` may be called again for a new episode."""
 
@@ -430,7 +437,7 @@ class TextCraftEnv:
                 if got == self.goal:
                     reward, done = 1.0, True
             elif m := _GET.match(action):
-                obs = self._get(int(m.group(1)), m.group(2))
+                obs = self._get(_count(m.group(1), m.group(2)), m.group(2))
             elif action.startswith("inventory"):
                 obs = self._inventory()
             else:
@@ -445,7 +452,7 @@ class TextCraftEnv:
         m = _COUNT.match(text.strip())
         if not m:
             raise _Failed(f"Wrong item format: {text.strip()}")
-        return Ingredient(self._book.ref_of(m.group(2)), int(m.group(1)))
+        return Ingredient(self._book.ref_of(m.group(2)), _count(m.group(1), m.group(2)))
 
     def _craft(self, out_text: str, in_text: str) -> tuple[str, str | None]:
         m = _COUNT.match(out_text)
@@ -503,6 +510,10 @@ class TextCraftFamily:
 
     def num_tasks(self) -> int:
         return len(self.book.goals)
+
+    def solve(self, goal: str) -> list[str]:
+        """Solver actions for ``goal`` (an item id ``minecraft:torch`` or its text ``torch``)."""
+        return solve(self.book, goal if goal.startswith(PREFIX) else str_to_item_id(goal))
 
     def close(self) -> None:
         pass

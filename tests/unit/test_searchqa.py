@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from conf.schema import EnvConfig
 from envhub import searchqa_data
@@ -143,3 +144,12 @@ def test_bm25_empty_query_returns_nothing():
     r = BM25Retriever([Doc("0", '"a"\nhello world'), Doc("1", '"b"\nfoo')])
     assert r.search(["", "the of"], 3) == [[], []]
     assert [d.id for d in r.search(["hello"], 5)[0]] == ["0"]
+
+
+@given(st.text(max_size=120) | st.builds(lambda t, x: f"<{t}>{x}</{t}>", st.sampled_from(["search", "answer", "x"]), st.text(max_size=60)))
+@settings(max_examples=200, deadline=None)
+def test_any_reply_is_a_normal_step(family, reply):
+    env = family.create()
+    env.reset(11)
+    s = env.step(reply)
+    assert s.observation and s.reward in (0.0, 1.0) and s.done == s.observation.startswith(("Congratulations", "Sorry"))

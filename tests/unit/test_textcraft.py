@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from envhub.textcraft import RecipeBook, TextCraftEnv, TextCraftFamily, default_recipes_dir, solve
 
@@ -131,7 +132,8 @@ def test_recipes_dir_option_reads_a_custom_directory(tmp_path):
     assert fam.num_tasks() == 2 and [d for _, d in fam.book.goals] == [1, 2]
     env = fam.create()
     assert env.reset(1).info == {"category": "depth-2", "goal": "torch", "depth": 2}
-    for a in solve(fam.book, "minecraft:torch"):
+    assert fam.solve("torch") == solve(fam.book, "minecraft:torch")
+    for a in fam.solve("torch"):
         r = env.step(a)
     assert r.done and r.reward == 1.0
 
@@ -142,3 +144,23 @@ def test_unknown_option_is_rejected_naming_it():
 
     with pytest.raises(ValueError, match="recipe_dir"):
         make_family(EnvConfig(name="textcraft", options={"recipe_dir": "/x"}))
+
+
+@given(st.text(max_size=80) | st.from_regex(r"(get|craft) [0-9]{0,8} [a-z ,0-9]{0,30}( using [a-z ,0-9]{0,40})?", fullmatch=True))
+@settings(max_examples=300, deadline=None)
+def test_any_action_text_is_a_normal_step(action):
+    env = _FUZZ_ENV
+    env.reset(7)
+    r = env.step(action)
+    assert isinstance(r.observation, str) and r.observation and r.reward in (0.0, 1.0)
+    assert all(n > 0 for n in env.inventory.values())
+
+
+def test_huge_counts_are_rejected_not_converted(book):
+    env = TextCraftEnv(book)
+    env.reset(0)
+    assert env.step("get " + "9" * 5000 + " oak logs").observation == "Could not find oak logs"
+    assert env.step("craft 4 oak planks using " + "1" * 5000 + " oak logs").observation.startswith("Could not find")
+
+
+_FUZZ_ENV = TextCraftEnv(RecipeBook())
