@@ -48,7 +48,41 @@ CHATML_TEMPLATE = (
 """ChatML as Qwen2.5 renders it (without Qwen's default system message and tool calls)."""
 
 
-def _train_tokenizer(corpus: Iterable[str], vocab_size: int):
+def build_tokenizer(
+    corpus: Iterable[str],
+    vocab_size: int,
+    *,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    chat_template: str = CHATML_TEMPLATE,
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+    bos_token: str | None = None,
+    model_max_length: int = 4096,
+):
+    """A ``PreTrainedTokenizerFast`` over a byte-level BPE trained on ``corpus``.
+
+    ``special_tokens`` get ids 0.. in order.  Used for the tiny model (ChatML) and by tests
+    for other template families (Llama-3 style).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    raw = _train_tokenizer(corpus, vocab_size, special_tokens)
+    extra = [t for t in special_tokens if t not in (eos_token, pad_token, bos_token)]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        bos_token=bos_token,
+        unk_token=None,
+        additional_special_tokens=extra,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = chat_template
+    return tok
+
+
+def _train_tokenizer(corpus: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
@@ -62,7 +96,7 @@ def _train_tokenizer(corpus: Iterable[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -79,24 +113,13 @@ def build_tiny_model(out_dir: str, cfg: TinyModelConfig, corpus: Iterable[str]) 
     are never sampled meaningfully but keep shapes fixed).
     """
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if cfg.architecture != "qwen2":
         raise ValueError(f"config key 'model.tiny.architecture': {cfg.architecture!r} not supported; use qwen2")
     os.makedirs(out_dir, exist_ok=True)
-    raw = _train_tokenizer(corpus, cfg.vocab_size)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
-        model_max_length=cfg.max_position_embeddings,
-        clean_up_tokenization_spaces=False,
-    )
-    tokenizer.chat_template = CHATML_TEMPLATE
-    ids = {t: raw.token_to_id(t) for t in SPECIAL_TOKENS}
+    tokenizer = build_tokenizer(corpus, cfg.vocab_size, model_max_length=cfg.max_position_embeddings)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen2Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
