@@ -202,6 +202,7 @@ class ThreadedEngine:
         self._occupancy_sum = 0.0
         self._tokens = 0
         self._finished = 0
+        self._mid_batch_joins = 0
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
 
     def _start(self) -> None:
@@ -248,6 +249,7 @@ class ThreadedEngine:
             "requests_finished": float(self._finished),
             "batch_occupancy": (self._occupancy_sum / self._steps) if self._steps else 0.0,
             "decode_steps": float(self._steps),
+            "mid_batch_joins": float(self._mid_batch_joins),
             "active": float(len(self._active())),
             "queued": float(queued),
             "policy_version": float(self._version),
@@ -281,6 +283,8 @@ class ThreadedEngine:
                 finished: list[tuple[Pending, GenerateResult]] = []
                 try:
                     if joiners:
+                        if self._active():
+                            self._mid_batch_joins += len(joiners)
                         finished += self._admit(joiners)
                     if self._active():
                         n = len(self._active())
