@@ -143,13 +143,19 @@ class _Pull:
         version, i, attempt = _RID.unpack(rid)
         header = self.raw.recv(zmq.NOBLOCK)
         current = version == self.m.version and i in self.inflight and self.inflight[i][1] == attempt
-        if not self.raw.getsockopt(zmq.RCVMORE):  # no data frame: an ErrorReply
+        if not self.raw.getsockopt(zmq.RCVMORE):  # no data frame: an ErrorReply (or inline data)
             if current:
                 try:
-                    err = codec.decode([header], expect=ErrorReply)
+                    msg = codec.decode([header], expect=(ErrorReply, WeightChunk))
                 except ProtocolError as exc:
                     raise WeightSyncError(f"weights v{self.m.version} chunk {i}: undecodable reply ({exc})") from None
-                raise RemoteError(err.code, err.message, err.retryable)
+                if isinstance(msg, ErrorReply):
+                    raise RemoteError(msg.code, msg.message, msg.retryable)
+                c = self.m.chunks[i]
+                view = self.buf[c.offset:c.offset + c.nbytes]
+                if msg.data.nbytes == c.nbytes:
+                    view[:] = msg.data
+                self._verify(i, version, [header], view, msg.data.nbytes, False)
             return True
         if not current:  # late reply of an earlier attempt, or another version: drop it
             self._discard_rest()
@@ -159,12 +165,18 @@ class _Pull:
         got = self.raw.recv_into(view, flags=zmq.NOBLOCK)
         extra = self.raw.getsockopt(zmq.RCVMORE)
         self._discard_rest()
+        self._verify(i, version, [header, memoryview(view)], view, got, bool(extra))
+        return True
+
+    def _verify(self, i: int, version: int, frames: list, view: np.ndarray, got: int, extra: bool) -> None:
+        """Check chunk ``i`` now in ``view``; mark it done or queue it again."""
+        c = self.m.chunks[i]
         problem = ""
         if got != c.nbytes or extra:
             problem = f"reply of {got} bytes, expected {c.nbytes}"
         else:
             try:
-                msg = codec.decode([header, memoryview(view)], expect=WeightChunk)
+                msg = codec.decode(frames, expect=WeightChunk)
                 if msg.version != version or msg.index != i or msg.checksum != c.checksum:
                     problem = "reply header does not match the manifest"
                 elif _checksum(self.m.checksum_algo, memoryview(view)) != c.checksum:
@@ -178,7 +190,6 @@ class _Pull:
         else:
             self.corrupt.pop(i, None)
             self.done += 1
-        return True
 
 
 def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool = False) -> dict[str, torch.Tensor]:

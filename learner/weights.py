@@ -231,7 +231,8 @@ class WeightPublisher:
             else:
                 c = ver.manifest.chunks[req.index]
                 msg = WeightChunk(version=req.version, index=c.index, checksum=c.checksum, data=ver.buf[c.offset:c.offset + c.nbytes])
-                tracker = self._sock.send_multipart([*prefix, *codec.encode(msg)], copy=False, track=True)
+                frames = codec.encode(msg, out_of_band_bytes=0)  # data always its own frame: the actor recv_into's it
+                tracker = self._sock.send_multipart([*prefix, *frames], copy=False, track=True)
                 ver.trackers[:] = [t for t in ver.trackers if not t.done]
                 ver.trackers.append(tracker)
                 self.served_chunks += 1
