@@ -167,3 +167,32 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         assert errors == []
     finally:
         stop(proc)
+
+
+def test_eval_report_page_shows_every_row(tmp_path, browser_page):
+    from turnscale.evaluate import main as eval_main
+
+    page, errors = browser_page
+    run = write_run_dir(tmp_path / "run", seed=4, group_size=4)
+    out = tmp_path / "eval"
+    assert eval_main(["--from-jsonl", f"{run.path}/trajectories.jsonl=base", "--k", "1,2", "--out", str(out)]) == 0
+    import json
+
+    doc = json.loads((out / "eval.json").read_text())
+    proc, url = start_viewer(out / "eval.json")
+    try:
+        page.goto(url)
+        page.wait_for_selector("[data-testid=nav-eval]:not([hidden])")
+        page.click("[data-testid=nav-eval]")
+        page.wait_for_selector("[data-testid=eval-table] tbody tr")
+        cells = page.locator("[data-testid=eval-table] tbody tr").evaluate_all(
+            "trs => trs.map(tr => [...tr.children].map(td => td.textContent))")
+        assert len(cells) == len(doc["rows"])
+        first = doc["rows"][0]
+        assert cells[0][:4] == [first["checkpoint"], str(first["turn_limit"]), first["env"], "(all)"]
+        assert float(cells[0][6]) == round(first["success"], 3)
+        assert "Pass@2" in page.inner_text("[data-testid=eval-table] thead")
+        save_shot(page, tmp_path, "viewer-eval.png")
+        assert errors == []
+    finally:
+        stop(proc)

@@ -233,7 +233,7 @@ function metaList(ep) {
     ["split", ep.split], ["checkpoint", ep.checkpoint], ["step", ep.step], ["version", ep.version],
     ["policy versions", versions.join(", ")], ["turn limit", ep.turn_limit], ["turns", ep.num_turns],
     ["finish", ep.finish_reason], ["reward", ep.reward], ["success", ep.success], ["accepted", ep.accepted],
-    ["drop reason", ep.drop_reason], ["tokens", ep.num_tokens], ["logprob mean", lp.mean], ["logprob min", lp.min],
+    ["drop reason", ep.drop_reason], ["error", ep.error], ["sample", ep.sample], ["tokens", ep.num_tokens], ["logprob mean", lp.mean], ["logprob min", lp.min],
     ["lease", ep.lease_id], ["actor", ep.actor_id], ["episode", ep.episode], ["group size", ep.group_size],
   ].filter(([, v]) => v !== undefined && v !== "");
   return items.map(([k, v]) => el("div", { "data-testid": `meta-${k.replace(/ /g, "-")}` }, el("dt", { text: k }), el("dd", { text: fmt(v) })));
