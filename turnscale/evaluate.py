@@ -26,7 +26,7 @@ from typing import Sequence
 
 from turnscale.evalmetrics import PASS_RULES, EpisodeResult, report_rows
 from turnscale.evalreport import format_markdown, format_table, plot_pass_at_k, plot_turn_scaling, report_json, write_json
-from turnscale.evalrun import EvalNotBuilt
+from turnscale.evalrun import EvalNotBuilt, EvalRunError
 from turnscale.evaltasks import TaskSpecError, parse_task_spec
 
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
     try:
         return _main(args, rest)
-    except (EvalError, TaskSpecError, EvalNotBuilt) as exc:
+    except (EvalError, TaskSpecError, EvalNotBuilt, EvalRunError) as exc:
         print(f"turnscale eval: {exc}", file=sys.stderr)
         return 2
 

@@ -54,3 +54,8 @@ def test_report_without_a_sweep_draws_no_plots(tmp_path):
 def test_usage_errors_exit_2_with_a_message(argv, msg, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_run_mode_with_a_missing_model_folder_says_so(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope"), "--tasks", "0:2", "--out", str(tmp_path / "o")]) == 2
+    assert "no such folder" in capsys.readouterr().err
