@@ -188,8 +188,8 @@ def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0) -> It
         return
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "turnscale", "envhub", f"env={env_name}", "env.host=127.0.0.1",
-                             f"env.port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "turnscale", "envhub", f"env={env_name}", "host=127.0.0.1",
+                             f"port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + start_timeout_s
         while not _healthy(url):
