@@ -1,0 +1,303 @@
+"""The running part of ``turnscale eval``: models x turn limits x tasks x samples -> episode records.
+
+Episodes are played by the actor's own code (``actors.episode.run_episode`` with the engine from
+``actors.engine.make_engine``, the renderer, the env's parser and prompt) against an envhub server
+through the env client, ``concurrency`` episodes at a time in one trio event loop.  Env sessions
+are opened lazily (at most ``concurrency``) and reused across episodes, as actors do.
+
+Invariants:
+- Episode ``(data_idx, sample)`` gets the same engine seed under every model and turn limit, so
+  checkpoints are compared on the same draws.
+- Every played episode becomes one record (the learner's ``trajectories.jsonl`` format plus
+  ``checkpoint`` and ``sample``), appended to ``out_jsonl`` as it finishes; the returned list is
+  sorted by (model order, turn limit, data_idx, sample).
+- Without ``env.url`` an envhub server for ``env.name`` is started on a free 127.0.0.1 port and
+  stopped (by pid) at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator, Protocol
+
+import numpy as np
+
+
+class EvalNotBuilt(RuntimeError):
+    """A piece the running part of ``turnscale eval`` needs is not available in this build."""
+
+
+class EvalRunError(RuntimeError):
+    """The evaluation could not run (model or env server problem); the message says what to fix."""
+
+
+class SessionPool(Protocol):
+    """Opens env sessions (``actors.episode.EnvSession``) on one env server."""
+
+    async def open(self) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def episode_record(ep: Any, *, checkpoint: str, env: str, data_idx: int, split: str, category: str, sample: int,
+                   decode: Callable[[list[int]], str] | None) -> dict:
+    """One played episode in the learner's ``trajectories.jsonl`` format, plus ``checkpoint`` and ``sample``."""
+    lps = np.asarray(ep.logprobs, dtype=np.float64)
+    turns = []
+    for t in ep.turns:
+        seg = lps[t.token_start:t.token_end]
+        turns.append({
+            "index": t.index, "output_text": t.output_text, "action": t.action, "parse_error": t.parse_error,
+            "observation": t.observation, "reward": t.reward, "done": t.done, "policy_version": t.policy_version,
+            "gen_latency_s": round(t.gen_latency_s, 6), "env_latency_s": round(t.env_latency_s, 6),
+            "num_tokens": int(t.token_end - t.token_start),
+            "logprob_mean": float(seg.mean()) if len(seg) else 0.0, "logprob_min": float(seg.min()) if len(seg) else 0.0,
+        })
+    ids = np.asarray(ep.token_ids)
+    return {
+        "checkpoint": checkpoint, "sample": sample, "step": 0, "version": 0, "lease_id": "", "actor_id": "eval",
+        "env": env, "data_idx": data_idx, "task_id": f"{env}_{data_idx}", "split": split, "category": category,
+        "episode": sample, "group_size": 0, "turn_limit": ep.turn_limit, "finish_reason": ep.finish_reason,
+        "reward": float(ep.reward), "success": bool(ep.success), "accepted": True, "drop_reason": "",
+        "num_turns": len(ep.turns), "num_tokens": int(len(ids)),
+        "prompt": decode(ids[: ep.prompt_len].tolist()) if decode is not None else "", "error": ep.error, "turns": turns,
+    }
+
+
+class _Recording:
+    """An env session that remembers the sub-task (``info["category"]``) of its last reset."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.category = ""
+
+    async def reset(self, data_idx: int):
+        obs, info = await self.inner.reset(data_idx)
+        self.category = str((info or {}).get("category", "") or "")
+        return obs, info
+
+    async def step(self, action: str):
+        return await self.inner.step(action)
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn at most 5 times a second)."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.done = self.ok = 0
+        self.t0 = self._last = time.monotonic()
+
+    def update(self, rec: dict) -> None:
+        self.done += 1
+        self.ok += bool(rec.get("success"))
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.2 or self.done == self.total):
+            self._last = now
+            frac = self.done / max(1, self.total)
+            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+            rate = self.done / max(1e-9, now - self.t0)
+            print(f"\r{self.label} [{bar}] {self.done}/{self.total} episodes, success {100 * self.ok / self.done:.1f}%, "
+                  f"{rate:.2f} ep/s", end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- playing
+
+
+def eval_seed(base: int, data_idx: int, sample: int) -> int:
+    from actors.episode import episode_seed
+
+    return episode_seed(base * 1_000_003 + data_idx, sample)
+
+
+async def play_all(*, engine: Any, renderer: Any, parser: Any, prompt: str, sampling: Any, pool: SessionPool,
+                   checkpoint: str, env: str, split: str, jobs: list[tuple[int, int, int]], concurrency: int,
+                   seed: int = 0, on_record: Callable[[dict], None] = lambda r: None) -> list[dict]:
+    """Play every ``(turn_limit, data_idx, sample)`` job, ``concurrency`` at a time; records in job order."""
+    import trio
+
+    from actors.episode import run_episode
+    from protocol.messages import Task
+
+    limiter = trio.CapacityLimiter(concurrency)
+    idle: list[_Recording] = []
+    out: list[dict | None] = [None] * len(jobs)
+
+    async def one(j: int, turn_limit: int, data_idx: int, sample: int) -> None:
+        async with limiter:
+            session = idle.pop() if idle else _Recording(await pool.open())
+            ep = await run_episode(engine=engine, renderer=renderer, env=session,
+                                   task=Task(env=env, data_idx=data_idx, split=split, task_id=f"{env}_{data_idx}"),
+                                   turn_limit=turn_limit, sampling=sampling, parser=parser, prompt=prompt,
+                                   seed=eval_seed(seed, data_idx, sample))
+            idle.append(session)
+        rec = episode_record(ep, checkpoint=checkpoint, env=env, data_idx=data_idx, split=split,
+                             category=session.category, sample=sample, decode=renderer.decode)
+        out[j] = rec
+        on_record(rec)
+
+    async with trio.open_nursery() as nursery:
+        for j, (turn_limit, data_idx, sample) in enumerate(jobs):
+            nursery.start_soon(one, j, turn_limit, data_idx, sample)
+    return [r for r in out if r is not None]
+
+
+def plan(task_ids: list[int], samples: int, turn_limits: list[int]) -> list[tuple[int, int, int]]:
+    """Jobs ``(turn_limit, data_idx, sample)`` sorted the way records are returned."""
+    return [(tl, idx, s) for tl in turn_limits for idx in task_ids for s in range(samples)]
+
+
+# ----------------------------------------------------------------------------- env server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextmanager
+def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0) -> Iterator[str]:
+    """Yield the env server URL: ``url`` when given (checked with ``/health``), else a local
+    ``turnscale envhub`` subprocess on a free 127.0.0.1 port, stopped by pid on exit."""
+    if url:
+        if not _healthy(url):
+            raise EvalRunError(f"env server {url} does not answer GET /health; start it with "
+                               f"'turnscale envhub env={env_name}' or drop env.url to let eval start one")
+        yield url
+        return
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "turnscale", "envhub", f"env={env_name}", "host=127.0.0.1",
+                             f"port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None:
+                err = (proc.stderr.read() if proc.stderr else "")[-2000:]
+                raise EvalRunError(f"the local envhub server for {env_name} exited with {proc.returncode}: {err.strip()}")
+            if time.monotonic() > deadline:
+                raise EvalRunError(f"the local envhub server for {env_name} was not healthy after {start_timeout_s:.0f}s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+def _require_client() -> None:
+    try:
+        from envhub.client import EnvClient  # noqa: F401
+    except ImportError:
+        raise EvalNotBuilt("turnscale eval: running models needs envhub/client.py, which is not built yet; "
+                           "report on recorded episodes with --from-jsonl FILE") from None
+
+
+def make_pool(env_name: str, url: str, cfg: Any) -> SessionPool:
+    """Env sessions on ``url`` through the envhub client (``envhub/client.py``)."""
+    _require_client()
+    from turnscale.evalclient import ClientPool
+
+    return ClientPool(env_name, url, cfg)
+
+
+# ----------------------------------------------------------------------------- whole run
+
+
+def run_eval(cfg: Any, models: list[tuple[str, str]], task_ids: list[int], *, samples: int, turn_limits: list[int],
+             split: str, concurrency: int, out_jsonl: Path, progress: bool = True,
+             pool_factory: Callable[[str, str, Any], SessionPool] = make_pool) -> list[dict]:
+    """Play every model on every job; returns the records (also appended to ``out_jsonl``)."""
+    try:
+        import trio  # noqa: F401
+
+        from actors.engine import make_engine  # noqa: F401
+        from actors.episode import run_episode  # noqa: F401
+    except ImportError as exc:
+        raise EvalNotBuilt(f"turnscale eval: running models needs the actor code ({exc.name} is missing)") from None
+    for path, _ in models:
+        if not os.path.isdir(path):
+            raise EvalRunError(f"--model {path}: no such folder; give a checkpoint or HF model folder (nothing is downloaded)")
+    if pool_factory is make_pool:
+        _require_client()
+    jobs = plan(task_ids, samples, turn_limits)
+    out_jsonl.parent.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    with open(out_jsonl, "w", encoding="utf-8") as sink, env_server(cfg.env.name, cfg.env.url) as url:
+        def write(rec: dict) -> None:
+            sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            sink.flush()
+
+        for path, label in models:
+            records += _run_model(cfg, path, label, jobs, url, split, concurrency, progress, write, pool_factory)
+    return records
+
+
+def _run_model(cfg, path, label, jobs, url, split, concurrency, progress, write, pool_factory) -> list[dict]:
+    import trio
+
+    from actors.engine import make_engine
+    from actors.parsing import parser_for
+    from actors.prompts import instruction
+    from actors.renderer import Renderer
+    from protocol.messages import SamplingParams
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(1)
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise EvalRunError(f"--model {path}: cannot load a tokenizer ({exc}); give a checkpoint or HF model folder") from None
+    renderer = Renderer.for_tokenizer(tokenizer, cfg.model.renderer)
+    s = cfg.sampling
+    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_new_tokens=s.max_new_tokens, max_context_tokens=s.max_context_tokens)
+    engine = make_engine(cfg.engine, path)
+    bar = Progress(len(jobs), f"eval {label}", progress)
+
+    def on_record(rec: dict) -> None:
+        write(rec)
+        bar.update(rec)
+
+    async def main() -> list[dict]:
+        pool = pool_factory(cfg.env.name, url, cfg)
+        try:
+            return await play_all(engine=engine, renderer=renderer, parser=parser_for(cfg.env.name),
+                                  prompt=instruction(cfg.env.name), sampling=sampling, pool=pool, checkpoint=label,
+                                  env=cfg.env.name, split=split, jobs=jobs, concurrency=concurrency,
+                                  seed=cfg.learner.seed, on_record=on_record)
+        finally:
+            await pool.aclose()
+
+    try:
+        return trio.run(main)
+    finally:
+        engine.close()
