@@ -23,9 +23,7 @@ def load(overrides: Sequence[str] = (), config_name: str = "config") -> Config:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        GlobalHydra.instance().clear()
-        with initialize_config_module(config_module="conf", version_base="1.3"):
-            composed = compose(config_name=config_name, overrides=list(overrides))
+        composed = _compose(compose, initialize_config_module, GlobalHydra, config_name, list(overrides))
         merged = OmegaConf.merge(OmegaConf.structured(Config), composed)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
@@ -38,6 +36,28 @@ def load(overrides: Sequence[str] = (), config_name: str = "config") -> Config:
         raise
     assert isinstance(cfg, Config)
     return cfg
+
+
+def _compose(compose, initialize_config_module, GlobalHydra, config_name: str, overrides: list[str]):
+    """Compose, turning ``key=value`` for a key no yaml file sets (``learner.port=5600``)
+    into Hydra's ``++key=value``; the merge over the schema then rejects misspelled keys."""
+    import re
+
+    for _ in range(len(overrides) + 1):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module(config_module="conf", version_base="1.3"):
+                return compose(config_name=config_name, overrides=overrides)
+        except Exception as exc:
+            m = re.match(r"Could not override '([^']+)'", str(exc))
+            if m is None or not type(exc).__module__.startswith("hydra"):
+                raise
+            key = m.group(1)
+            idx = [i for i, o in enumerate(overrides) if o.split("=", 1)[0] == key]
+            if not idx:
+                raise
+            overrides = [("++" + o if i in idx else o) for i, o in enumerate(overrides)]
+    raise RuntimeError("unreachable")
 
 
 def _describe(exc: Exception) -> str:

@@ -374,6 +374,8 @@ class Episode:
     """Turn limit in force."""
     error: str = ""
     """What went wrong, for ``env_error``/``render_error``/``aborted``."""
+    category: str = ""
+    """Sub-task from the env's reset info (``info["category"]``: level, depth, task type), for metrics."""
 
     def check(self) -> None:
         n = len(self.token_ids)

@@ -51,3 +51,10 @@ def test_experiment_overrides_groups():
     cfg = conf.load(["experiment=agentgym_babyai"])
     assert cfg.schedule.turns == [6, 13, 20]
     assert cfg.engine.name == "vllm"
+
+
+def test_keys_no_yaml_sets_can_be_overridden_without_plus():
+    cfg = conf.load(["learner.port=6001", "actor.max_groups=3", "run.actors=4"])
+    assert (cfg.learner.port, cfg.actor.max_groups, cfg.run.actors) == (6001, 3, 4)
+    with pytest.raises(conf.ConfigError, match="learner.portt"):
+        conf.load(["learner.portt=1"])

@@ -1,0 +1,219 @@
+"""Leases, admission control and intake validation: who may play what, and which groups train.
+
+All times are passed in (``now``, seconds on any monotonic clock), so tests drive a fake
+clock; nothing here sleeps, does I/O or imports torch.
+
+Admission (AReaL's rule, generalised to ``publish_every``)::
+
+    in_flight + accepted < (max_staleness + version + 1) * groups_per_step * publish_every
+
+``accepted`` counts every group accepted so far (trained or buffered), ``version`` is the
+current policy version.  With ``publish_every = 1`` this is exactly AReaL's rule.  With
+``publish_every = k`` one version covers ``k`` steps, so the bound is the number of groups
+that the steps trained while the version is at most ``version + max_staleness`` consume:
+a group leased now is never trained more than ``max_staleness`` versions after it was
+sampled, if nothing is lost.  ``max_staleness = 0`` is synchronous training: one batch of
+leases per version, then nothing until the learner has trained and published.
+
+Lease life: ``grant`` -> (``heartbeat`` renews ``deadline = now + ttl_s``) -> ``intake``
+of its group, or ``expire`` (deadline passed: the same task is re-issued under a new
+lease id), or ``release_actor`` (Goodbye: re-issued at once).
+
+Intake decides, in this order (the first that applies is the drop reason):
+
+``unknown_lease`` never issued by this learner run (or from before a restart);
+``duplicate``     the lease's group was already received;
+``expired``       the lease expired (its task went to another lease);
+``mismatch``      the group does not echo its lease (task, turn limit, group size);
+``failed``        the actor reported the group failed (its task is re-issued);
+``stale``         oldest sampled token's version is more than ``max_staleness`` behind
+                  the current version (backstop; the task is *not* re-issued, it was
+                  played, and re-issuing could loop forever under a slow actor).
+
+Turn limits: every lease is stamped with the limit in force at issue; a group carries
+its lease's limit for all its episodes (groups never mix limits).  A group leased under
+the previous stage that comes back after the stage advanced is still trained when it
+is within staleness: it is valid on-policy-ish data for a shorter horizon, and the
+window in which this happens is bounded by ``max_staleness`` versions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from learner.tasks import TaskStream
+from protocol.messages import Lease, Task, TrajectoryGroup
+
+DROP_REASONS = ("unknown_lease", "duplicate", "expired", "mismatch", "failed", "stale")
+
+
+@dataclass(slots=True)
+class LeaseRecord:
+    lease: Lease
+    actor_id: str
+    issued_at: float
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeResult:
+    """What happened to a received group."""
+
+    accepted: bool
+    reason: str = ""
+    """One of ``DROP_REASONS`` when dropped."""
+    staleness: int = -1
+    """Current version minus the oldest sampled-token version (-1 when not computed)."""
+    lease: Lease | None = None
+    """The lease the group answered, when known."""
+
+
+def oldest_version(group: TrajectoryGroup, default: int) -> int:
+    """Smallest policy version over every sampled token of the group (``default`` if none)."""
+    best = None
+    for ep in group.episodes:
+        mask = np.asarray(ep.loss_mask, dtype=bool)
+        if mask.any():
+            v = int(np.asarray(ep.versions)[mask].min())
+            best = v if best is None else min(best, v)
+    return default if best is None else best
+
+
+@dataclass
+class LeaseManager:
+    """Owns live leases, the admission counter and intake decisions for one task stream."""
+
+    stream: TaskStream
+    group_size: int
+    groups_per_step: int
+    max_staleness: int
+    ttl_s: float
+    publish_every: int = 1
+    seed: int = 0
+    version: int = 0
+    """Current policy version; the service sets it on every publication."""
+    turn_limit: int = 10
+    """Turn limit stamped on new leases; the service sets it from the schedule."""
+    accepted: int = 0
+    remember: int = 100_000
+    """How many finished/expired lease ids are remembered for duplicate/expired answers."""
+    live: dict[str, LeaseRecord] = field(default_factory=dict)
+    prefix: str = field(default_factory=lambda: "l" + os.urandom(3).hex())
+    _counter: int = 0
+    _finished: "OrderedDict[str, str]" = field(default_factory=OrderedDict)
+    """lease id -> ``received`` | ``expired``."""
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def in_flight(self) -> int:
+        return len(self.live)
+
+    @property
+    def limit(self) -> int:
+        return (self.max_staleness + self.version + 1) * self.groups_per_step * self.publish_every
+
+    def capacity(self) -> int:
+        """How many more leases admission allows now (>= 0)."""
+        return max(0, self.limit - self.in_flight - self.accepted)
+
+    def grant(self, actor_id: str, max_leases: int, now: float) -> list[Lease]:
+        """Up to ``max_leases`` new leases for ``actor_id`` (fewer when admission is closed)."""
+        self.expire(now)
+        out = []
+        for _ in range(max(0, min(max_leases, self.capacity()))):
+            out.append(self._issue(self.stream.next(), actor_id, now))
+        return out
+
+    def _issue(self, task: Task, actor_id: str, now: float) -> Lease:
+        self._counter += 1
+        lease = Lease(
+            lease_id=f"{self.prefix}-{self._counter}",
+            task=task,
+            group_size=self.group_size,
+            turn_limit=self.turn_limit,
+            policy_version=self.version,
+            ttl_s=self.ttl_s,
+            seed=int(np.random.default_rng([self.seed, self._counter]).integers(0, 2**31 - 1)),
+        )
+        self.live[lease.lease_id] = LeaseRecord(lease, actor_id, now, now + self.ttl_s)
+        return lease
+
+    # ------------------------------------------------------------------ liveness
+    def heartbeat(self, actor_id: str, lease_ids: Iterable[str], now: float) -> list[str]:
+        """Renew the named leases held by ``actor_id``; returns those it no longer holds."""
+        self.expire(now)
+        unknown = []
+        for lid in lease_ids:
+            rec = self.live.get(lid)
+            if rec is None or rec.actor_id != actor_id:
+                unknown.append(lid)
+            else:
+                rec.deadline = now + self.ttl_s
+        return unknown
+
+    def expire(self, now: float) -> list[Lease]:
+        """Expire leases whose deadline passed; their tasks are re-issued.  Returns them."""
+        gone = [rec.lease for rec in self.live.values() if rec.deadline <= now]
+        for lease in gone:
+            self._retire(lease.lease_id, "expired")
+            self.stream.reissue(lease.task)
+        return gone
+
+    def release_actor(self, actor_id: str) -> list[Lease]:
+        """An actor left (Goodbye) or re-registered: its leases end and their tasks are re-issued."""
+        gone = [rec.lease for rec in self.live.values() if rec.actor_id == actor_id]
+        for lease in gone:
+            self._retire(lease.lease_id, "expired")
+            self.stream.reissue(lease.task)
+        return gone
+
+    def _retire(self, lease_id: str, how: str) -> None:
+        self.live.pop(lease_id, None)
+        self._finished[lease_id] = how
+        self._finished.move_to_end(lease_id)
+        while len(self._finished) > self.remember:
+            self._finished.popitem(last=False)
+
+    # ------------------------------------------------------------------ intake
+    def intake(self, group: TrajectoryGroup, now: float) -> IntakeResult:
+        """Validate a received group (see the module docstring for the order of checks)."""
+        self.expire(now)
+        rec = self.live.get(group.lease_id)
+        if rec is None:
+            how = self._finished.get(group.lease_id)
+            reason = {"received": "duplicate", "expired": "expired"}.get(how or "", "unknown_lease")
+            return IntakeResult(False, reason)
+        lease = rec.lease
+        if (group.task != lease.task or group.turn_limit != lease.turn_limit
+                or (not group.failed and len(group.episodes) != lease.group_size)):
+            self._retire(lease.lease_id, "received")
+            self.stream.reissue(lease.task)
+            return IntakeResult(False, "mismatch", lease=lease)
+        self._retire(lease.lease_id, "received")
+        if group.failed:
+            self.stream.reissue(lease.task)
+            return IntakeResult(False, "failed", lease=lease)
+        staleness = self.version - oldest_version(group, lease.policy_version)
+        if staleness > self.max_staleness:
+            return IntakeResult(False, "stale", staleness, lease)
+        self.accepted += 1
+        return IntakeResult(True, "", staleness, lease)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, trained_groups: int, untrained: Iterable[Task] = ()) -> dict[str, Any]:
+        """Checkpoint data.  ``trained_groups`` becomes ``accepted`` on resume; tasks of
+        buffered-but-untrained groups (``untrained``) and of live leases are re-issued."""
+        pending = [*untrained, *(rec.lease.task for rec in self.live.values())]
+        return {"stream": self.stream.state(extra_reissue=pending), "accepted": trained_groups,
+                "counter": self._counter}
+
+    def load_state(self, state: dict[str, Any], tasks: list[Task]) -> None:
+        self.stream = TaskStream.from_state(tasks, state["stream"])
+        self.accepted = int(state["accepted"])
+        self._counter = int(state.get("counter", 0))
+        self.live.clear()

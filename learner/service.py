@@ -1,0 +1,381 @@
+"""The learner's event loop: control socket, announcements, training and publication.
+
+One trio nursery holds four named tasks under ``LearnerService.serve``:
+
+- ``control``: the ROUTER (``learner.port``).  Each request is decoded, handled and
+  answered before the next is read (handlers never await anything but the reply), so
+  lease state changes in arrival order.  A bad message is logged and answered with
+  ``ErrorReply``; nothing a client sends can crash the loop.
+- ``announce``: re-publishes the current ``PolicyAnnouncement`` on PUB every
+  ``announce_every_s`` so late subscribers catch it (PUB drops messages sent before a
+  subscription exists).
+- ``expiry``: expires leases whose deadline passed (their tasks are re-issued).
+- ``train``: whenever ``groups_per_step`` accepted groups are buffered, runs one
+  optimizer step in a worker thread (``trio.to_thread.run_sync``), so control messages
+  are answered while the model trains.  Ordering after each step:
+
+  1. metrics of the step are reduced and written;
+  2. every ``publish_every`` steps: the state dict is gathered and handed to the
+     weight publisher (its own thread and socket), *then* ``version`` advances, *then*
+     the announcement goes out, *then* admission widens (``LeaseManager.version``) —
+     so no lease ever names a version whose weights cannot be pulled;
+  3. the turn limit for new leases is the schedule's limit at the new step;
+  4. every ``checkpoint_every`` steps (and after the last) a checkpoint is written
+     with the task cursor, version and lease state in ``extra``.
+
+  After ``learner.steps`` steps the service publishes ``Shutdown`` (a few times, PUB is
+  lossy), keeps answering control messages for ``linger_s`` (so actors say goodbye),
+  and returns.
+
+The trainer, publisher and checkpointer are injected (``TrainerLike`` ...) so the loop
+is tested with fakes; ``learner.main`` wires the real ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+import trio
+import zmq
+
+from conf.schema import Config
+from learner.leases import LeaseManager
+from learner.metrics import NullLogger, StepMetrics, record_group, record_train
+from learner.tasks import TaskStream, parse_task_spec
+from learner.trajlog import NullTrajectoryLog
+from protocol import codec
+from protocol.errors import ProtocolError, TransportError
+from protocol.messages import (
+    SCHEMA_VERSION,
+    EnvEndpoint,
+    ErrorReply,
+    Goodbye,
+    GroupAck,
+    Heartbeat,
+    HeartbeatAck,
+    Hello,
+    LeaseGrant,
+    LeaseRequest,
+    PolicyAnnouncement,
+    SamplingParams,
+    Shutdown,
+    TrajectoryGroup,
+    WeightManifest,
+    Welcome,
+)
+from protocol.transport import AsyncSocket, configure, split_router_frames, tcp_endpoint
+
+log = logging.getLogger("turnscale.learner")
+
+
+class TrainerLike(Protocol):
+    step: int
+
+    def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]: ...
+
+
+class PublisherLike(Protocol):
+    def publish(self, version: int, state_dict: Mapping[str, Any]) -> WeightManifest: ...
+
+    def close(self) -> None: ...
+
+
+class CheckpointerLike(Protocol):
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        """Atomically write model/optimizer/RNG state plus ``extra`` for ``step``."""
+
+    def load_latest(self) -> dict[str, Any] | None:
+        """Restore the trainer from the newest checkpoint; its ``extra``, or None if there is none."""
+
+
+class ScheduleLike(Protocol):
+    def limit_at(self, step: int) -> int: ...
+
+
+@dataclass
+class ActorInfo:
+    actor_id: str
+    host: str
+    pid: int
+    engine: str
+    last_seen: float
+    policy_version: int = -1
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ServiceParts:
+    """Everything the loop needs besides the config (real in ``main``, fakes in tests)."""
+
+    trainer: TrainerLike
+    publisher: PublisherLike
+    weights: Callable[[], Mapping[str, Any]]
+    """Returns the state dict to publish (already cast to the transfer dtype)."""
+    schedule: ScheduleLike
+    checkpointer: CheckpointerLike | None = None
+    logger: Any = field(default_factory=NullLogger)
+    trajlog: Any = field(default_factory=NullTrajectoryLog)
+    model_path: str = ""
+
+
+class LearnerService:
+    """See the module docstring for tasks and ordering."""
+
+    announce_every_s: float = 2.0
+    linger_s: float = 2.0
+
+    def __init__(self, cfg: Config, parts: ServiceParts) -> None:
+        self.cfg = cfg
+        self.parts = parts
+        lc = cfg.learner
+        self.tasks = parse_task_spec(cfg.env.tasks.train, cfg.env.name, "train")
+        self.leases = LeaseManager(
+            stream=TaskStream(self.tasks, seed=lc.seed), group_size=cfg.algo.group_size,
+            groups_per_step=lc.groups_per_step, max_staleness=lc.max_staleness, ttl_s=lc.lease_ttl_s,
+            publish_every=lc.publish_every, seed=lc.seed,
+        )
+        self.run_id = uuid.uuid4().hex[:12]
+        self.version = 0
+        self.trained_groups = 0
+        self.buffer: list[TrajectoryGroup] = []
+        self.manifest: WeightManifest | None = None
+        self.actors: dict[str, ActorInfo] = {}
+        self.metrics = StepMetrics()
+        self.stopping = False
+        self.done = False
+        self._have_groups = trio.Event()
+        self._last_step_end = time.monotonic()
+        self._ctx: zmq.Context | None = None
+        self.ready = trio.Event()
+        """Set once sockets are bound and version 0 (or the resumed version) is published."""
+
+    # ------------------------------------------------------------------ state
+    @property
+    def step(self) -> int:
+        return self.parts.trainer.step
+
+    @property
+    def turn_limit(self) -> int:
+        return int(self.parts.schedule.limit_at(self.step))
+
+    def announcement(self) -> PolicyAnnouncement:
+        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.step, manifest=self.manifest)
+
+    def restore(self) -> bool:
+        """Resume from the newest checkpoint (``learner.resume``); True when one was found."""
+        ck = self.parts.checkpointer
+        extra = ck.load_latest() if ck is not None else None
+        if extra is None:
+            return False
+        if int(extra["step"]) != self.step:
+            raise RuntimeError(f"checkpoint says step {extra['step']} but the trainer restored step {self.step}")
+        self.version = int(extra["version"])
+        self.run_id = str(extra.get("run_id", self.run_id))
+        self.trained_groups = int(extra.get("trained_groups", 0))
+        self.leases.load_state(extra["leases"], self.tasks)
+        self.leases.version = self.version
+        log.info("resumed at step %d, version %d, turn limit %d", self.step, self.version, self.turn_limit)
+        return True
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "version": self.version, "turn_limit": self.turn_limit, "run_id": self.run_id,
+            "trained_groups": self.trained_groups,
+            "leases": self.leases.state(self.trained_groups, untrained=[g.task for g in self.buffer]),
+        }
+
+    # ------------------------------------------------------------------ serve
+    async def serve(self) -> None:
+        lc = self.cfg.learner
+        self._ctx = zmq.Context()
+        router = AsyncSocket(configure(self._ctx.socket(zmq.ROUTER), server=True))
+        router.sock.bind(tcp_endpoint(lc.host, lc.port))
+        pub = configure(self._ctx.socket(zmq.PUB), server=True)
+        pub.bind(tcp_endpoint(lc.host, lc.pub_port))
+        self._pub = AsyncSocket(pub)
+        try:
+            self.leases.turn_limit = self.turn_limit
+            await self._publish_weights(self.version)
+            self.ready.set()
+            log.info("learner %s ready: control %s, version %d, step %d/%d", self.run_id,
+                     tcp_endpoint(lc.host, lc.port), self.version, self.step, lc.steps)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._control_loop, router, name="control")
+                nursery.start_soon(self._announce_loop, name="announce")
+                nursery.start_soon(self._expiry_loop, name="expiry")
+                await self._train_loop()
+                await self._shutdown()
+                nursery.cancel_scope.cancel()
+        finally:
+            router.close()
+            self._pub.close()
+            self._ctx.term()
+
+    async def _publish_weights(self, version: int) -> None:
+        sd = await trio.to_thread.run_sync(self.parts.weights)
+        self.manifest = await trio.to_thread.run_sync(self.parts.publisher.publish, version, sd)
+        self.version = version
+        await self._announce()
+        self.leases.version = version
+
+    async def _announce(self) -> None:
+        try:
+            await self._pub.send_msg(self.announcement())
+        except TransportError as exc:  # PUB never blocks; a closed socket at shutdown is fine
+            log.debug("announce failed: %s", exc)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await trio.sleep(self.announce_every_s)
+            await self._announce()
+
+    async def _expiry_loop(self) -> None:
+        period = max(0.05, min(1.0, self.cfg.learner.lease_ttl_s / 4))
+        while True:
+            await trio.sleep(period)
+            for lease in self.leases.expire(trio.current_time()):
+                self.metrics.add("rollout/leases_expired", 1, "sum")
+                log.info("lease %s (task %s) expired; re-issued", lease.lease_id, lease.task.data_idx)
+
+    # ------------------------------------------------------------------ training
+    async def _train_loop(self) -> None:
+        lc = self.cfg.learner
+        gps = lc.groups_per_step
+        while self.step < lc.steps:
+            while len(self.buffer) < gps:
+                self._have_groups = trio.Event()
+                await self._have_groups.wait()
+            batch, self.buffer = self.buffer[:gps], self.buffer[gps:]
+            await self._train_one(batch)
+            if self.step % lc.publish_every == 0:
+                await self._publish_weights(self.version + 1)
+            self.leases.turn_limit = self.turn_limit
+            if self.parts.checkpointer is not None and (self.step % lc.checkpoint_every == 0 or self.step >= lc.steps):
+                extra = self.checkpoint_extra()
+                await trio.to_thread.run_sync(self.parts.checkpointer.save, self.step, extra)
+
+    async def _train_one(self, batch: list[TrajectoryGroup]) -> None:
+        t0 = time.monotonic()
+        out = await trio.to_thread.run_sync(self.parts.trainer.train_step, batch)
+        t1 = time.monotonic()
+        self.trained_groups += len(batch)
+        tokens = sum(int(np.asarray(ep.loss_mask).sum()) for g in batch for ep in g.episodes)
+        wall = max(t1 - self._last_step_end, 1e-9)
+        m = self.metrics
+        record_train(m, out)
+        m.add("perf/step_time_s", t1 - t0, "last")
+        m.add("perf/tokens_trained", tokens, "sum")
+        m.add("perf/tokens_trained_per_s", tokens / max(t1 - t0, 1e-9), "last")
+        m.add("perf/learner_busy", (t1 - t0) / wall, "last")
+        m.add("perf/groups_per_s", len(batch) / wall, "last")
+        m.add("perf/version", self.version, "last")
+        m.add("perf/actors", len(self.actors), "last")
+        m.add("perf/leases_in_flight", self.leases.in_flight, "last")
+        m.add("rollout/turn_limit", max(g.turn_limit for g in batch), "last")
+        m.add("rollout/trained_groups_total", self.trained_groups, "last")
+        self._last_step_end = t1
+        self.parts.logger.write(self.step, m.reduce())
+
+    async def _shutdown(self) -> None:
+        self.stopping = True
+        for _ in range(3):
+            try:
+                await self._pub.send_msg(Shutdown(reason="done"))
+            except TransportError:
+                break
+            await trio.sleep(0.1)
+        await trio.sleep(self.linger_s)
+        self.done = True
+
+    # ------------------------------------------------------------------ control
+    async def _control_loop(self, router: AsyncSocket) -> None:
+        while True:
+            frames = await router.recv_multipart()
+            try:
+                prefix, body = split_router_frames(frames)
+            except ProtocolError as exc:
+                log.warning("dropping unroutable message: %s", exc)
+                continue
+            try:
+                msg = codec.decode(body)
+                reply = self.handle(msg)
+            except ProtocolError as exc:
+                log.warning("bad message: %s", exc)
+                reply = ErrorReply(code="bad_message", message=str(exc))
+            except Exception as exc:  # a handler bug: log it, answer, keep serving
+                log.exception("error handling a message")
+                reply = ErrorReply(code="internal", message=f"learner error ({type(exc).__name__}); see the learner log", retryable=True)
+            try:
+                await router.send_msg(reply, prefix=prefix)
+            except TransportError as exc:
+                log.warning("could not reply: %s", exc)
+
+    def handle(self, msg: Any) -> Any:
+        """Answer one decoded request (pure state change + reply; no awaits)."""
+        now = trio.current_time()
+        if isinstance(msg, Hello):
+            return self._hello(msg, now)
+        if isinstance(msg, LeaseRequest):
+            return self._lease_request(msg, now)
+        if isinstance(msg, TrajectoryGroup):
+            return self._group(msg, now)
+        if isinstance(msg, Heartbeat):
+            if msg.actor_id not in self.actors:
+                return ErrorReply(code="not_registered", message="send Hello first (the learner restarted?)", retryable=True)
+            a = self.actors[msg.actor_id]
+            a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
+            return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now), policy_version=self.version)
+        if isinstance(msg, Goodbye):
+            released = self.leases.release_actor(msg.actor_id)
+            self.actors.pop(msg.actor_id, None)
+            log.info("actor %s left (%s); %d lease(s) released", msg.actor_id, msg.reason or "no reason", len(released))
+            return GroupAck(lease_id="", accepted=True)
+        return ErrorReply(code="bad_message", message=f"{type(msg).__name__} is not a request the learner answers")
+
+    def _hello(self, msg: Hello, now: float) -> Any:
+        if msg.schema_version != SCHEMA_VERSION:
+            return ErrorReply(code="bad_message", message=f"schema {msg.schema_version} != {SCHEMA_VERSION}; upgrade the older side")
+        if msg.actor_id in self.actors:
+            released = self.leases.release_actor(msg.actor_id)
+            log.info("actor %s re-registered; %d lease(s) released", msg.actor_id, len(released))
+        self.actors[msg.actor_id] = ActorInfo(msg.actor_id, msg.host, msg.pid, msg.engine, now)
+        log.info("actor %s registered (%s pid %d, %s on %s)", msg.actor_id, msg.host, msg.pid, msg.engine, msg.device)
+        lc, s = self.cfg.learner, self.cfg.sampling
+        return Welcome(
+            run_id=self.run_id, actor_id=msg.actor_id, model_path=self.parts.model_path,
+            renderer=self.cfg.model.renderer,
+            sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    max_new_tokens=s.max_new_tokens, max_context_tokens=s.max_context_tokens),
+            envs=[EnvEndpoint(name=self.cfg.env.name, url=self.cfg.env.base_url)],
+            transfer_dtype=lc.transfer_dtype, pub_endpoint=tcp_endpoint(lc.host, lc.pub_port),
+            weights_endpoint=tcp_endpoint(lc.host, lc.weights_port),
+            heartbeat_interval_s=lc.heartbeat_interval_s, policy=self.announcement(),
+        )
+
+    def _lease_request(self, msg: LeaseRequest, now: float) -> Any:
+        if msg.actor_id not in self.actors:
+            return ErrorReply(code="not_registered", message="send Hello first (the learner restarted?)", retryable=True)
+        self.actors[msg.actor_id].last_seen = now
+        if self.stopping or msg.max_leases < 1:
+            return LeaseGrant(leases=[], retry_after_s=1.0)
+        leases = self.leases.grant(msg.actor_id, msg.max_leases, now)
+        return LeaseGrant(leases=leases, retry_after_s=0.0 if len(leases) == msg.max_leases else 0.5)
+
+    def _group(self, group: TrajectoryGroup, now: float) -> Any:
+        if group.actor_id in self.actors:
+            self.actors[group.actor_id].last_seen = now
+        r = self.leases.intake(group, now)
+        record_group(self.metrics, group, r.accepted, r.reason, r.staleness)
+        self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason)
+        if r.accepted:
+            self.buffer.append(group)
+            if len(self.buffer) >= self.cfg.learner.groups_per_step:
+                self._have_groups.set()
+        else:
+            log.info("group %s from %s dropped: %s", group.lease_id, group.actor_id, r.reason)
+        return GroupAck(lease_id=group.lease_id, accepted=r.accepted, reason=r.reason)

@@ -1,0 +1,247 @@
+"""The learner loop over real sockets on 127.0.0.1 with a fake trainer, publisher and checkpointer."""
+
+from __future__ import annotations
+
+import os
+
+import trio
+import zmq
+
+import conf
+from learner.service import LearnerService, ServiceParts
+from protocol import codec
+from protocol.errors import PeerTimeout
+from protocol.messages import (
+    ErrorReply,
+    Goodbye,
+    GroupAck,
+    Heartbeat,
+    HeartbeatAck,
+    Hello,
+    LeaseGrant,
+    LeaseRequest,
+    PolicyAnnouncement,
+    Shutdown,
+    WeightManifest,
+    Welcome,
+)
+from protocol.transport import AsyncSocket, Requester, configure, free_port
+from tests.unit.fakes import make_group
+
+
+class FakeTrainer:
+    def __init__(self):
+        self.step = 0
+        self.trained: list[str] = []
+
+    def train_step(self, groups):
+        self.trained += [g.lease_id for g in groups]
+        self.step += 1
+        return {"loss/pg": 0.1 * self.step, "grad_norm": 1.0}
+
+
+class FakePublisher:
+    def __init__(self):
+        self.versions: list[int] = []
+
+    def publish(self, version, state_dict):
+        self.versions.append(version)
+        return WeightManifest(version=version, dtype="float32", total_bytes=0, checksum_algo="crc32", tensors=[], chunks=[])
+
+    def close(self):
+        pass
+
+
+class FakeSchedule:
+    def limit_at(self, step):
+        return 6 if step < 2 else 13
+
+
+class MemCheckpointer:
+    def __init__(self, trainer, store):
+        self.trainer, self.store = trainer, store
+
+    def save(self, step, extra):
+        self.store.append((step, extra))
+
+    def load_latest(self):
+        if not self.store:
+            return None
+        step, extra = self.store[-1]
+        self.trainer.step = step
+        return extra
+
+
+def make_cfg(**over):
+    ports = [free_port() for _ in range(3)]
+    args = [f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
+            "learner.groups_per_step=2", "learner.max_staleness=0", "learner.steps=3", "algo.group_size=2",
+            "env.tasks.train=0:20", "learner.checkpoint_every=2"]
+    args += [f"{k}={v}" for k, v in over.items()]
+    return conf.load(args)
+
+
+async def client(ctx, cfg):
+    d = configure(ctx.socket(zmq.DEALER))
+    d.connect(f"tcp://127.0.0.1:{cfg.learner.port}")
+    return Requester(AsyncSocket(d))
+
+
+def run_service_with(cfg, parts, script):
+    """Run the service and ``script(service, ctx)`` concurrently; bounded in time."""
+    svc = LearnerService(cfg, parts)
+    svc.linger_s = 0.3
+    svc.announce_every_s = 0.2
+    ctx = zmq.Context()
+    out = {}
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                out["result"] = await script(svc, ctx)
+                n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        ctx.destroy(linger=0)
+    return svc, out.get("result")
+
+
+def test_synchronous_run_trains_every_group_once_and_advances_versions():
+    cfg = make_cfg()
+    trainer, pub, store = FakeTrainer(), FakePublisher(), []
+    parts = ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule(),
+                         checkpointer=MemCheckpointer(trainer, store), model_path="/models/tiny")
+
+    async def script(svc, ctx):
+        sub = configure(ctx.socket(zmq.SUB))
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{cfg.learner.pub_port}")
+        sub = AsyncSocket(sub)
+        req = await client(ctx, cfg)
+        w = await req.request(Hello(actor_id="a1", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+        assert isinstance(w, Welcome) and w.model_path == "/models/tiny" and w.policy.version == 0
+        assert w.policy.turn_limit == 6 and w.policy.manifest is not None
+        seen_turn_limits, sent = [], []
+        while svc.step < 3:
+            g = await req.request(LeaseRequest(actor_id="a1", max_leases=4), timeout_s=5)
+            assert isinstance(g, LeaseGrant)
+            assert len(g.leases) <= 2  # synchronous: one batch per version
+            for lease in g.leases:
+                seen_turn_limits.append(lease.turn_limit)
+                ack = await req.request(make_group(lease, actor_id="a1"), timeout_s=5)
+                assert isinstance(ack, GroupAck) and ack.accepted, ack
+                sent.append(lease.lease_id)
+                dup = await req.request(make_group(lease, actor_id="a1"), timeout_s=5)
+                assert (dup.accepted, dup.reason) == (False, "duplicate")
+            if not g.leases:
+                await trio.sleep(0.02)
+        versions, shutdown = [], False
+        with trio.move_on_after(5):
+            while not shutdown:
+                m = await sub.recv_msg()
+                if isinstance(m, PolicyAnnouncement):
+                    versions.append(m.version)
+                shutdown = isinstance(m, Shutdown)
+        bye = await req.request(Goodbye(actor_id="a1", reason="done"), timeout_s=5)
+        assert isinstance(bye, GroupAck)
+        sub.close()
+        req.sock.close()
+        return sent, seen_turn_limits, versions, shutdown
+
+    svc, (sent, limits, versions, shutdown) = run_service_with(cfg, parts, script)
+    assert trainer.step == 3 and len(trainer.trained) == 6
+    assert sorted(trainer.trained) == sorted(set(trainer.trained)) == sorted(sent)
+    assert pub.versions == [0, 1, 2, 3]
+    assert limits == [6, 6, 6, 6, 13, 13]  # stage advances at step 2
+    assert shutdown and max(versions) == 3
+    assert [s for s, _ in store] == [2, 3]
+    assert store[-1][1]["version"] == 3 and store[-1][1]["turn_limit"] == 13
+
+
+def test_bad_messages_get_error_replies_and_the_loop_keeps_serving():
+    cfg = make_cfg()
+    trainer = FakeTrainer()
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule())
+
+    async def script(svc, ctx):
+        d = configure(ctx.socket(zmq.DEALER))
+        d.connect(f"tcp://127.0.0.1:{cfg.learner.port}")
+        s = AsyncSocket(d)
+        replies = []
+        for body in ([b"\xc1garbage"], [b"\x93\x01\x02"], codec.encode(Shutdown(reason="x"))):
+            await s.send_multipart([b"rid00001", *body])
+            frames = await s.recv_multipart()
+            replies.append(codec.decode(frames[1:]))
+        req = Requester(s)
+        not_reg = await req.request(LeaseRequest(actor_id="ghost", max_leases=1), timeout_s=5)
+        hb = await req.request(Heartbeat(actor_id="ghost", lease_ids=[], policy_version=0), timeout_s=5)
+        await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=1), timeout_s=5)
+        hb2 = await req.request(Heartbeat(actor_id="a", lease_ids=["nope"], policy_version=0), timeout_s=5)
+        s.close()
+        return replies, not_reg, hb, hb2
+
+    _, (replies, not_reg, hb, hb2) = run_service_with(cfg, parts, script)
+    assert all(isinstance(r, ErrorReply) and r.code == "bad_message" for r in replies)
+    assert isinstance(not_reg, ErrorReply) and not_reg.code == "not_registered" and not_reg.retryable
+    assert isinstance(hb, ErrorReply) and hb.code == "not_registered"
+    assert isinstance(hb2, HeartbeatAck) and hb2.unknown_lease_ids == ["nope"]
+
+
+def test_resume_restores_version_step_and_task_cursor():
+    cfg = make_cfg(**{"learner.steps": 2})
+    trainer, store = FakeTrainer(), []
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
+                         checkpointer=MemCheckpointer(trainer, store))
+
+    async def play(svc, ctx, actor):
+        req = await client(ctx, svc.cfg)
+        await req.request(Hello(actor_id=actor, host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+        tasks = []
+        while svc.step < svc.cfg.learner.steps:
+            g = await req.request(LeaseRequest(actor_id=actor, max_leases=4), timeout_s=5)
+            for lease in g.leases:
+                tasks.append((lease.task.data_idx, lease.turn_limit, lease.policy_version))
+                await req.request(make_group(lease, actor_id=actor), timeout_s=5)
+            if not g.leases:
+                await trio.sleep(0.02)
+        req.sock.close()
+        return tasks
+
+    _, first = run_service_with(cfg, parts, lambda s, c: play(s, c, "a"))
+    # a second learner process, same config, resume=true
+    trainer2 = FakeTrainer()
+    cfg2 = make_cfg(**{"learner.steps": 4})
+    parts2 = ServiceParts(trainer=trainer2, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
+                          checkpointer=MemCheckpointer(trainer2, store))
+
+    async def resumed(svc, ctx):
+        assert svc.step == 2 and svc.version == 2 and svc.turn_limit == 13
+        return await play(svc, ctx, "b")
+
+    svc2 = LearnerService(cfg2, parts2)
+    assert svc2.restore()
+    # straight run for reference: the task order of 4 steps
+    ref_trainer = FakeTrainer()
+    ref = run_service_with(make_cfg(**{"learner.steps": 4}), ServiceParts(trainer=ref_trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()), lambda s, c: play(s, c, "r"))[1]
+
+    async def main():
+        svc2.linger_s, svc2.announce_every_s = 0.3, 0.2
+        ctx = zmq.Context()
+        try:
+            with trio.fail_after(30):
+                async with trio.open_nursery() as n:
+                    n.start_soon(svc2.serve)
+                    await svc2.ready.wait()
+                    out = await resumed(svc2, ctx)
+                    n.cancel_scope.cancel()
+        finally:
+            ctx.destroy(linger=0)
+        return out
+
+    second = trio.run(main)
+    assert [t[0] for t in first + second] == [t[0] for t in ref]
+    assert [t[1:] for t in second] == [(13, 2), (13, 2), (13, 3), (13, 3)]

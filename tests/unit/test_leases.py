@@ -1,0 +1,150 @@
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from learner.leases import LeaseManager
+from learner.tasks import TaskStream, parse_task_spec
+from tests.unit.fakes import make_group
+
+TASKS = parse_task_spec("0:50", "babyai")
+
+
+def manager(**kw) -> LeaseManager:
+    args = dict(stream=TaskStream(TASKS, seed=0), group_size=2, groups_per_step=4, max_staleness=1, ttl_s=10.0)
+    args.update(kw)
+    return LeaseManager(**args)
+
+
+def test_admission_follows_areal_rule():
+    m = manager(max_staleness=1, groups_per_step=4)
+    assert len(m.grant("a", 100, now=0)) == 8  # (1 + 0 + 1) * 4
+    assert m.grant("a", 1, now=0) == []
+    m.version = 1
+    assert len(m.grant("a", 100, now=0)) == 4
+
+
+def test_synchronous_mode_issues_one_batch_per_version():
+    m = manager(max_staleness=0, groups_per_step=3)
+    leases = m.grant("a", 10, now=0)
+    assert len(leases) == 3 and all(l.policy_version == 0 for l in leases)
+    for l in leases[:2]:
+        assert m.intake(make_group(l), now=1).accepted
+    assert m.grant("a", 10, now=1) == []  # waiting for the last group
+    assert m.intake(make_group(leases[2]), now=1).accepted
+    assert m.grant("a", 10, now=1) == []  # all in, but not trained/published yet
+    m.version = 1
+    nxt = m.grant("a", 10, now=2)
+    assert len(nxt) == 3 and all(l.policy_version == 1 for l in nxt)
+
+
+def test_publish_every_scales_the_window():
+    m = manager(max_staleness=0, groups_per_step=2, publish_every=3)
+    assert len(m.grant("a", 100, now=0)) == 6
+
+
+def test_expired_lease_is_reissued_with_same_task_new_id():
+    m = manager(ttl_s=5.0)
+    (l1,) = m.grant("a", 1, now=0)
+    assert m.expire(now=4.9) == []
+    assert m.expire(now=5.0) == [l1]
+    (l2,) = m.grant("b", 1, now=5.0)
+    assert l2.task == l1.task and l2.lease_id != l1.lease_id
+
+
+def test_heartbeat_renews_deadline_and_names_unknown_leases():
+    m = manager(ttl_s=5.0)
+    (l1,) = m.grant("a", 1, now=0)
+    assert m.heartbeat("a", [l1.lease_id, "nope"], now=4) == ["nope"]
+    assert m.expire(now=8) == []
+    assert m.heartbeat("b", [l1.lease_id], now=8) == [l1.lease_id]  # not b's lease
+    assert m.expire(now=9) == [l1]
+    assert m.heartbeat("a", [l1.lease_id], now=9) == [l1.lease_id]
+
+
+def test_intake_drop_reasons():
+    m = manager(ttl_s=5.0)
+    l1, l2, l3, l4 = m.grant("a", 4, now=0)
+    assert m.intake(make_group(l1), now=1).accepted
+    assert m.intake(make_group(l1), now=1).reason == "duplicate"
+    assert m.intake(make_group(replace(l1, lease_id="zzz")), now=1).reason == "unknown_lease"
+    r = m.intake(make_group(l2, failed=True), now=1)
+    assert (r.accepted, r.reason) == (False, "failed")
+    assert m.grant("a", 1, now=1)[0].task == l2.task  # failed group's task goes first
+    bad = make_group(replace(l3, turn_limit=l3.turn_limit + 1))
+    assert m.intake(bad, now=1).reason == "mismatch"
+    m.expire(now=100)
+    assert m.intake(make_group(l4), now=100).reason == "expired"
+    assert m.accepted == 1
+
+
+def test_stale_group_is_dropped_and_not_reissued():
+    m = manager(max_staleness=1)
+    (l1, l2) = m.grant("a", 2, now=0)
+    m.version = 2
+    r = m.intake(make_group(l1, version=0), now=1)
+    assert (r.accepted, r.reason, r.staleness) == (False, "stale", 2)
+    r = m.intake(make_group(l2, version=1), now=1)
+    assert r.accepted and r.staleness == 1
+
+
+def test_goodbye_releases_leases_for_reissue():
+    m = manager()
+    mine = m.grant("a", 2, now=0)
+    m.grant("b", 1, now=0)
+    assert m.release_actor("a") == mine
+    assert m.in_flight == 1
+    assert [l.task for l in m.grant("c", 2, now=0)] == [l.task for l in mine]
+
+
+def test_group_leased_under_previous_turn_limit_is_trained_within_staleness():
+    m = manager(turn_limit=6)
+    (l1,) = m.grant("a", 1, now=0)
+    m.turn_limit = 13
+    (l2,) = m.grant("a", 1, now=0)
+    assert (l1.turn_limit, l2.turn_limit) == (6, 13)
+    assert m.intake(make_group(l1), now=1).accepted
+
+
+def test_checkpoint_state_reissues_live_and_untrained_tasks():
+    m = manager()
+    leases = m.grant("a", 3, now=0)
+    m.intake(make_group(leases[0]), now=0)
+    st_ = m.state(trained_groups=0, untrained=[leases[0].task])
+    m2 = manager()
+    m2.load_state(st_, TASKS)
+    assert m2.accepted == 0 and m2.in_flight == 0
+    got = [l.task for l in m2.grant("x", 3, now=0)]
+    assert got == [l.task for l in leases]
+    assert m2.grant("x", 1, now=0)[0].task == m.grant("y", 1, now=0)[0].task
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 4), st.lists(st.tuples(st.sampled_from(["grant", "return", "fail", "tick", "train"]), st.integers(0, 5)), max_size=80))
+def test_admission_invariant_and_nothing_accepted_twice(max_staleness, gps, ops):
+    """Under any interleaving: in_flight + accepted never exceeds the window, accepted
+    groups never exceed staleness, and no lease is accepted twice."""
+    m = manager(max_staleness=max_staleness, groups_per_step=gps, ttl_s=3.0)
+    now, held, accepted_ids, buffered = 0.0, [], set(), 0
+    for op, k in ops:
+        if op == "grant":
+            held += m.grant("a", k + 1, now)
+        elif op in ("return", "fail") and held:
+            lease = held.pop(k % len(held))
+            v = max(lease.policy_version, m.version - k)  # actor may hold newer weights
+            r = m.intake(make_group(lease, version=v, failed=op == "fail"), now)
+            if r.accepted:
+                assert lease.lease_id not in accepted_ids
+                assert r.staleness <= max_staleness
+                accepted_ids.add(lease.lease_id)
+                buffered += 1
+            # a resend is never accepted
+            assert not m.intake(make_group(lease, version=v), now).accepted
+        elif op == "tick":
+            now += k
+            m.expire(now)
+        elif op == "train" and buffered >= gps:
+            buffered -= gps
+            m.version += 1
+        assert m.in_flight + m.accepted <= m.limit
+    assert m.accepted == len(accepted_ids)

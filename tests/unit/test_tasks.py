@@ -1,0 +1,88 @@
+import json
+
+import pytest
+
+from learner.tasks import TaskCursor, TaskSpecError, TaskStream, parse_task_spec
+from protocol.messages import Task
+
+
+def test_range_spec_gives_every_index_once():
+    tasks = parse_task_spec("3:7", "babyai")
+    assert [t.data_idx for t in tasks] == [3, 4, 5, 6]
+    assert all(t.env == "babyai" and t.split == "train" for t in tasks)
+
+
+def test_agentgym_item_file_and_int_file_are_read(tmp_path):
+    p = tmp_path / "babyai_train.json"
+    p.write_text(json.dumps([{"item_id": "babyai_17"}, {"item_id": "babyai_3"}]))
+    tasks = parse_task_spec(str(p), "babyai", "test")
+    assert [(t.data_idx, t.task_id, t.split) for t in tasks] == [(17, "babyai_17", "test"), (3, "babyai_3", "test")]
+    q = tmp_path / "ints.json"
+    q.write_text("[5, 9]")
+    assert [t.data_idx for t in parse_task_spec(str(q), "babyai")] == [5, 9]
+
+
+@pytest.mark.parametrize("content", ['[{"item_id": "textcraft_1"}]', "[]", '{"a": 1}', "[-1]", '["x"]', "not json"])
+def test_bad_task_files_raise_typed_error(tmp_path, content):
+    p = tmp_path / "t.json"
+    p.write_text(content)
+    with pytest.raises(TaskSpecError):
+        parse_task_spec(str(p), "babyai")
+
+
+@pytest.mark.parametrize("spec", ["", "5:5", "a:b", "/no/such/file.json"])
+def test_bad_specs_raise_typed_error(spec):
+    with pytest.raises(TaskSpecError):
+        parse_task_spec(spec, "babyai")
+
+
+def test_each_epoch_is_a_permutation_and_epochs_differ():
+    tasks = parse_task_spec("0:20", "babyai")
+    s = TaskStream(tasks, seed=1)
+    e0 = [s.next().data_idx for _ in range(20)]
+    e1 = [s.next().data_idx for _ in range(20)]
+    assert sorted(e0) == sorted(e1) == list(range(20))
+    assert e0 != e1
+    assert s.cursor == TaskCursor(1, 20)
+    assert e0 == [TaskStream(tasks, seed=1).next().data_idx for _ in range(1)] + e0[1:]
+
+
+def test_same_seed_same_order_other_seed_other_order():
+    tasks = parse_task_spec("0:50", "babyai")
+    a = [TaskStream(tasks, seed=3).next().data_idx for _ in range(1)]
+    s1, s2, s3 = TaskStream(tasks, seed=3), TaskStream(tasks, seed=3), TaskStream(tasks, seed=4)
+    o1 = [s1.next().data_idx for _ in range(50)]
+    assert o1 == [s2.next().data_idx for _ in range(50)]
+    assert o1 != [s3.next().data_idx for _ in range(50)]
+    assert o1[0] == a[0]
+
+
+def test_reissued_tasks_come_first_in_order():
+    tasks = parse_task_spec("0:10", "babyai")
+    s = TaskStream(tasks, seed=0)
+    first = s.next()
+    s.reissue(Task(env="babyai", data_idx=99))
+    s.reissue(first)
+    assert s.next().data_idx == 99
+    assert s.next() == first
+    assert s.cursor.position == 1  # re-issues do not move the cursor
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 10, 13, 25])
+def test_state_round_trip_continues_exactly(cut):
+    tasks = parse_task_spec("0:10", "babyai")
+    ref = TaskStream(tasks, seed=5)
+    s = TaskStream(tasks, seed=5)
+    for _ in range(cut):
+        s.next()
+        ref.next()
+    in_flight = [Task(env="babyai", data_idx=42)]
+    restored = TaskStream.from_state(tasks, s.state(extra_reissue=in_flight))
+    assert restored.next().data_idx == 42
+    assert [restored.next() for _ in range(30)] == [ref.next() for _ in range(30)]
+
+
+def test_state_from_other_task_list_is_refused():
+    s = TaskStream(parse_task_spec("0:10", "babyai"))
+    with pytest.raises(TaskSpecError):
+        TaskStream.from_state(parse_task_spec("0:11", "babyai"), s.state())
