@@ -48,12 +48,14 @@ class Workload:
     """The long-tail workload the envhub serves (``env.options.sim_latency``)."""
 
     seed: int = 0
-    median_s: float = 0.1
-    sigma: float = 1.0
-    max_s: float = 2.0
-    steps_median: float = 3.0
-    steps_sigma: float = 0.9
-    steps_max: int = 16
+    median_s: float = 0.2
+    sigma: float = 0.8
+    max_s: float = 5.0
+    task_sigma: float = 1.2
+    reset_s: float = 0.3
+    steps_median: float = 1.0
+    steps_sigma: float = 1.0
+    steps_max: int = 12
 
     def override(self) -> str:
         body = ", ".join(f"{k}: {v}" for k, v in asdict(self).items())
@@ -76,6 +78,10 @@ class RunSpec:
     max_staleness: int = 2
     turn_limit: int = 16
     max_new_tokens: int = 48
+    decode_s_per_step: float = 0.005
+    """Sim engine: seconds per decoding step of the whole batch."""
+    mean_new_tokens: int = 24
+    long_tail: float = 0.2
     seed: int = 0
     warmup: int = 1
     """Steps excluded from rates (start-up)."""
@@ -95,9 +101,14 @@ def envhub_args(workload: Workload, port: int) -> list[str]:
     return ["envhub", "env=babyai", "host=127.0.0.1", f"port={port}", workload.override()]
 
 
+BENCH_MODEL = ("model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+               "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128")
+"""The benchmark's tiny model (0.3M parameters): training stays cheap next to rollouts."""
+
+
 def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], learner_dir: Path) -> list[str]:
     return [
-        "learner", "env=babyai", f"env.port={env_port}", f"engine={spec.engine}", "algo=grpo",
+        "learner", "env=babyai", *BENCH_MODEL, f"env.port={env_port}", f"engine={spec.engine}", "algo=grpo",
         f"algo.group_size={spec.group_size}", "algo.lr=1e-4",
         f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
         f"learner.max_staleness={spec.max_staleness}", f"learner.groups_per_step={spec.groups_per_step}",
@@ -111,6 +122,8 @@ def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], lear
 def actor_args(spec: RunSpec, learner_port: int, index: int) -> list[str]:
     return [
         "actor", f"engine={spec.engine}", f"engine.sim.seed={spec.seed * 1000 + index}",
+        f"engine.sim.decode_s_per_step={spec.decode_s_per_step}", f"engine.sim.mean_new_tokens={spec.mean_new_tokens}",
+        f"engine.sim.long_tail={spec.long_tail}",
         "actor.learner_host=127.0.0.1", f"actor.learner_port={learner_port}",
         f"actor.max_groups={spec.max_groups}", f"actor.actor_id={spec.name}-a{index}",
     ]
@@ -197,22 +210,26 @@ def add_arguments(parser) -> None:
     a = parser.add_argument
     a("--e2e-parts", default="sim,hf,scaling", help="comma list of: sim (async vs sync, sim engine), hf (same, tiny model), scaling")
     a("--e2e-actors", type=int, default=4, help="actors in the async/sync comparisons")
-    a("--e2e-max-groups", type=int, default=1, help="leases per actor (slots = actors x this)")
-    a("--e2e-group-size", type=int, default=4)
+    a("--e2e-max-groups", type=int, default=2, help="leases per actor (slots = actors x this)")
+    a("--e2e-group-size", type=int, default=2, help="episodes per group (GRPO n)")
     a("--e2e-groups-per-step", type=int, default=0, help="0: one group per slot (actors x max-groups)")
-    a("--e2e-steps", type=int, default=10, help="optimizer steps per sim run (the first is warm-up)")
+    a("--e2e-steps", type=int, default=8, help="optimizer steps per sim run (the first is warm-up)")
     a("--e2e-hf-steps", type=int, default=4)
     a("--e2e-hf-turn-limit", type=int, default=4)
     a("--e2e-hf-max-new-tokens", type=int, default=16)
-    a("--e2e-turn-limit", type=int, default=16)
+    a("--e2e-turn-limit", type=int, default=12)
     a("--e2e-max-new-tokens", type=int, default=48)
     a("--e2e-staleness", type=int, default=2, help="max_staleness of the async runs")
     a("--e2e-scaling", default="1,2,4,8", help="actor counts for the scaling runs")
     a("--e2e-scaling-steps", type=int, default=8, help="steps at the largest actor count (fewer with fewer actors)")
+    a("--e2e-scaling-groups-per-step", type=int, default=4, help="batch of the scaling runs (x (1 + staleness) >= top count)")
     a("--e2e-latency-median", type=float, default=Workload.median_s, help="median env step latency, s")
     a("--e2e-latency-sigma", type=float, default=Workload.sigma)
-    a("--e2e-episode-steps-median", type=float, default=Workload.steps_median)
+    a("--e2e-task-sigma", type=float, default=Workload.task_sigma, help="spread of the per-task latency factor")
+    a("--e2e-reset-latency", type=float, default=Workload.reset_s, help="median env reset latency, s")
+    a("--e2e-episode-steps-median", type=float, default=Workload.steps_median, help="median env steps per task")
     a("--e2e-episode-steps-sigma", type=float, default=Workload.steps_sigma)
+    a("--e2e-decode-s", type=float, default=RunSpec.decode_s_per_step, help="sim engine: seconds per decoding step")
     a("--e2e-seed", type=int, default=0)
     a("--e2e-dir", default="runs/bench_e2e", help="run folders, logs and e2e_runs.json go here")
     a("--e2e-run-timeout", type=float, default=180.0, help="seconds one run may take")
@@ -223,12 +240,13 @@ def run(args) -> list[Result]:
     root.mkdir(parents=True, exist_ok=True)
     parts = {p.strip() for p in args.e2e_parts.split(",") if p.strip()}
     workload = Workload(seed=args.e2e_seed, median_s=args.e2e_latency_median, sigma=args.e2e_latency_sigma,
+                        task_sigma=args.e2e_task_sigma, reset_s=args.e2e_reset_latency,
                         steps_median=args.e2e_episode_steps_median, steps_sigma=args.e2e_episode_steps_sigma,
                         steps_max=args.e2e_turn_limit)
     base = RunSpec(name="", actors=args.e2e_actors, max_groups=args.e2e_max_groups, group_size=args.e2e_group_size,
                    groups_per_step=args.e2e_groups_per_step or args.e2e_actors * args.e2e_max_groups,
                    steps=args.e2e_steps, turn_limit=args.e2e_turn_limit, max_new_tokens=args.e2e_max_new_tokens,
-                   seed=args.e2e_seed)
+                   decode_s_per_step=args.e2e_decode_s, seed=args.e2e_seed)
     outcomes: list[Outcome] = []
     results: list[Result] = []
 
@@ -275,7 +293,8 @@ def scaling(args, base: RunSpec, reuse: Outcome | None, go) -> list[Result]:
     per_n: dict[int, Outcome] = {}
     for n in counts:
         spec = replace(base, name=f"scale_{n}", actors=n, max_groups=1, max_staleness=args.e2e_staleness,
-                       groups_per_step=base.groups_per_step, steps=max(3, math.ceil(args.e2e_scaling_steps * n / top)))
+                       groups_per_step=args.e2e_scaling_groups_per_step,
+                       steps=max(3, math.ceil(args.e2e_scaling_steps * n / top)))
         if reuse is not None and replace(reuse.spec, name=spec.name, steps=spec.steps) == spec:
             per_n[n] = reuse  # the async comparison run is this scaling point
             continue

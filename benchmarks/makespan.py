@@ -40,7 +40,7 @@ def list_schedule_makespan(durations: Sequence[float], slots: int) -> float:
     for d in durations:
         t = heapq.heappop(free)
         heapq.heappush(free, t + d)
-    return max(free) if durations else 0.0
+    return max(free) if len(durations) else 0.0
 
 
 def lockstep_makespan(durations: Sequence[float], slots: int, groups_per_step: int, train_s: float = 0.0) -> float:

@@ -5,8 +5,12 @@ and some env steps (a page load, a JVM, a search) are slow.  This module reprodu
 shape on top of any real env family, server-side, so every client (our actors,
 AgentGym's) sees the same workload:
 
-* each ``step`` sleeps for a per-step latency drawn from a log-normal distribution
-  (``median_s``, ``sigma``), capped at ``max_s``;
+* each task (``data_idx``) gets a latency factor drawn from a log-normal distribution
+  with median 1 (``task_sigma``): some tasks are slow at every step (a heavy page, a big
+  search index, a slow simulator state);
+* each ``step`` sleeps for ``factor x`` a per-step latency drawn from a log-normal
+  distribution (``median_s``, ``sigma``), capped at ``max_s``; each ``reset`` likewise
+  with median ``reset_s`` (env start-up: a JVM, a browser page);
 * each task (``data_idx``) gets a step budget drawn from a log-normal distribution
   (``steps_median``, ``steps_sigma``), capped at ``steps_max``; when an episode reaches
   its budget the step answers ``done=True, truncated=True`` (success False, reward as
@@ -21,8 +25,13 @@ Invariants:
   resets of that ``data_idx`` on this server (``k``-th episode of the task).  Two runs
   that play the same tasks the same number of times therefore face the same multiset of
   costs, whatever order the episodes run in (asynchronous vs. lock-step).
-* The sleep happens inside ``Env.step`` (the server's per-instance step path; the
-  server runs blocking steps off its event loop), so other instances are not delayed.
+* The sleeps happen inside ``Env.reset``/``Env.step``, i.e. in the server's per-instance
+  call path, which runs env calls in a worker-thread pool: other instances are not
+  delayed as long as fewer calls than pool threads sleep at once.
+* Only steps the client actually sends are delayed and counted: an agent turn that did not
+  parse (the actor answers it with a format hint, never stepping the env) costs no env
+  time.  The reset latency and the task factor apply to every episode whatever the
+  agent writes.
 """
 
 from __future__ import annotations
@@ -52,7 +61,11 @@ class SimWorkload:
     sigma: float = 1.0
     """Log-normal shape of the per-step latency (0: every step takes ``median_s``)."""
     max_s: float = 2.0
-    """Cap on one step's latency."""
+    """Cap on one step's (or reset's) latency."""
+    task_sigma: float = 0.0
+    """Log-normal shape of the per-task latency factor (0: every task alike)."""
+    reset_s: float = 0.0
+    """Median reset latency (0: resets are not delayed)."""
     steps_median: float = 3.0
     """Median step budget per task (0: the env decides when episodes end)."""
     steps_sigma: float = 1.0
@@ -61,7 +74,7 @@ class SimWorkload:
     """Cap on the step budget."""
 
     def __post_init__(self) -> None:
-        for name in ("median_s", "sigma", "max_s", "steps_median", "steps_sigma"):
+        for name in ("median_s", "sigma", "max_s", "task_sigma", "reset_s", "steps_median", "steps_sigma"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"config key 'env.options.{OPTION}.{name}': must be >= 0, got {getattr(self, name)}")
         if self.steps_max < 1:
@@ -89,12 +102,21 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([int(k) & 0xFFFFFFFF for k in key])
 
 
+def task_factor(w: SimWorkload, data_idx: int) -> float:
+    """Latency multiplier of every step and reset of ``data_idx`` (median 1)."""
+    if w.task_sigma <= 0:
+        return 1.0
+    return float(np.exp(w.task_sigma * _rng(w.seed, 3, data_idx).standard_normal()))
+
+
 def step_latency(w: SimWorkload, data_idx: int, episode: int, step: int) -> float:
-    """Seconds the ``step``-th step (from 0) of the ``episode``-th play of ``data_idx`` takes."""
-    if w.median_s <= 0:
+    """Seconds the ``step``-th step (from 0) of the ``episode``-th play of ``data_idx``
+    takes; ``step = -1`` is the reset."""
+    median = w.reset_s if step < 0 else w.median_s
+    if median <= 0:
         return 0.0
-    z = _rng(w.seed, 1, data_idx, episode, step).standard_normal()
-    return float(min(w.max_s, w.median_s * np.exp(w.sigma * z)))
+    z = _rng(w.seed, 1, data_idx, episode, step + 1).standard_normal()
+    return float(min(w.max_s, task_factor(w, data_idx) * median * np.exp(w.sigma * z)))
 
 
 def step_budget(w: SimWorkload, data_idx: int) -> int:
@@ -134,11 +156,15 @@ class SimLatencyEnv:
         self._budget = 0
 
     def reset(self, data_idx: int) -> ResetResult:
-        out = self._inner.reset(data_idx)
         self._data_idx = int(data_idx)
         self._episode = self._counter.next(self._data_idx)
         self._steps = 0
         self._budget = step_budget(self._w, self._data_idx)
+        delay = step_latency(self._w, self._data_idx, self._episode, -1)
+        if delay > 0:
+            self._sleep(delay)
+        out = self._inner.reset(data_idx)
+        out.info = {**out.info, "sim_latency_s": delay}
         return out
 
     def step(self, action: str) -> StepResult:

@@ -13,6 +13,7 @@ from envhub.simwork import (
     split_options,
     step_budget,
     step_latency,
+    task_factor,
     wrap,
 )
 
@@ -97,6 +98,16 @@ def test_draws_are_deterministic_and_long_tailed():
     assert [step_budget(SimWorkload(seed=4), i) for i in range(50)] != [step_budget(w, i) for i in range(50)]
 
 
+def test_task_factor_slows_every_step_and_reset_of_a_task():
+    w = SimWorkload(seed=2, median_s=0.1, sigma=0.0, max_s=100.0, task_sigma=1.0, reset_s=0.5)
+    factors = [task_factor(w, i) for i in range(300)]
+    assert np.median(factors) == pytest.approx(1.0, rel=0.2) and max(factors) > 5
+    i = int(np.argmax(factors))
+    assert step_latency(w, i, 0, 3) == pytest.approx(0.1 * factors[i])
+    assert step_latency(w, i, 4, -1) == pytest.approx(0.5 * factors[i])
+    assert task_factor(SimWorkload(), i) == 1.0
+
+
 def test_zero_median_turns_each_part_off():
     w = SimWorkload(median_s=0, steps_median=0)
     assert step_latency(w, 1, 0, 0) == 0.0
@@ -105,10 +116,12 @@ def test_zero_median_turns_each_part_off():
 
 def test_wrapped_env_sleeps_the_drawn_latency_and_ends_at_the_task_budget():
     slept: list[float] = []
-    w = SimWorkload(seed=1, median_s=0.02, sigma=0.5, steps_median=4, steps_sigma=0.0)
+    w = SimWorkload(seed=1, median_s=0.02, sigma=0.5, steps_median=4, steps_sigma=0.0, reset_s=0.3)
     fam = SimLatencyFamily(FakeFamily(), w, sleep=slept.append)
     env = fam.create()
-    env.reset(9)
+    assert env.reset(9).info["sim_latency_s"] == step_latency(w, 9, 0, -1) > 0
+    assert slept == [step_latency(w, 9, 0, -1)]
+    slept.clear()
     results = [env.step("a") for _ in range(4)]
     assert [r.done for r in results] == [False, False, False, True]
     assert results[-1].truncated and results[-1].info["success"] is False
@@ -116,10 +129,10 @@ def test_wrapped_env_sleeps_the_drawn_latency_and_ends_at_the_task_budget():
     assert [r.info["sim_latency_s"] for r in results] == slept
     # the second play of the same task is the episode k=1, on any instance
     other = fam.create()
-    other.reset(9)
     slept.clear()
+    other.reset(9)
     other.step("a")
-    assert slept == [step_latency(w, 9, 1, 0)]
+    assert slept == [step_latency(w, 9, 1, -1), step_latency(w, 9, 1, 0)]
 
 
 def test_env_that_ends_first_is_not_overridden():
