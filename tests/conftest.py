@@ -70,3 +70,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             npu = _has_npu() if npu is None else npu
             if not npu:
                 item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch-npu"))
+
+
+# ----------------------------------------------------------------------------- tiny model
+
+
+def tiny_corpus(n: int = 400, seed: int = 0) -> list[str]:
+    """A small synthetic corpus: agent-style text, chat role words, digits."""
+    import random
+
+    rng = random.Random(seed)
+    words = (
+        "system user assistant Thought: Action: Observation: go to the red blue green ball key box door "
+        "pick up open toggle turn left right move forward craft get using planks sticks oak log "
+        "inventory search answer <search> </search> <answer> </answer> you see a wall ahead steps "
+        "your goal is to done success reward the a of and in on"
+    ).split()
+    out = []
+    for _ in range(n):
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(5, 25)))
+        out.append(f"{line} {rng.randint(0, 99999)}.\n{rng.choice(words)}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A locally built Qwen2-architecture model + ChatML BPE tokenizer (hidden 64, 2 layers, vocab 1024)."""
+    from conf.schema import TinyModelConfig
+    from turnscale.tinymodel import build_tiny_model
+
+    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=1024)
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model")), cfg, tiny_corpus())

@@ -1,0 +1,410 @@
+"""The inference-engine interface the actor depends on, and the trio <-> thread bridge.
+
+An engine turns token ids into token ids plus per-token behaviour log-probs
+(``turnscale.logprobs`` convention: ``log_softmax(logits / temperature)`` over the full
+vocabulary, before top-p/top-k truncation, float32).  Engines run their decoding loop in
+their own thread with continuous batching; trio tasks ``await engine.generate(req)``
+through ``ThreadBridge`` and never block the event loop.  Cancelling the awaiting task
+aborts the request (the engine drops it at its next decoding step).
+
+Weight updates (``load_weights``) are thread-safe and applied at the engine's next safe
+point, chosen by ``EngineConfig.update_mode``:
+
+- ``between_turns`` (default): once a new version is pending the engine admits no new
+  requests, lets the running ones finish, swaps, then admits again.  Every token of a
+  result was sampled by one version: ``GenerateResult.policy_version``.
+- ``inflight``: the swap happens between two decoding steps; running requests continue
+  with their KV cache computed by the old weights.  ``GenerateResult.policy_version`` is
+  the *minimum* (oldest) version that sampled any of its tokens (the version at the
+  request's first token) and ``token_versions`` holds each token's own version.
+
+Ownership: ``load_weights`` validates names and shapes at once (raising ``EngineError``)
+and keeps references to ``tensors`` until the swap; the caller must not modify them until
+``engine.version`` reports the new version (or pass copies).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from protocol.errors import TurnscaleError
+from protocol.messages import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from conf.schema import EngineConfig
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORTED = "aborted"
+
+
+class EngineError(TurnscaleError):
+    """The engine cannot serve a request or apply weights; the message says why."""
+
+
+class EngineClosed(EngineError):
+    """``generate`` was called on (or was running when) the engine closed."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One turn's generation: continue ``prompt_ids``.
+
+    ``stop_token_ids``: generation ends after sampling any of these (the stop token is
+    included in the output, ``finish_reason="stop"``).  ``sampling.max_new_tokens`` caps
+    the output (``finish_reason="length"``).  ``seed`` seeds this request's sampler (None:
+    fresh entropy); the same seed and weights give the same tokens whatever the batch.
+    """
+
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What one request produced.
+
+    ``token_ids`` [N] int32 sampled ids (ending with the stop token when
+    ``finish_reason == "stop"``); ``logprobs`` [N] float32 behaviour log-prob of each;
+    ``finish_reason`` one of ``stop``, ``length``, ``aborted``; ``policy_version`` see the
+    module docstring; ``latency_s`` from submission to completion; ``token_versions`` [N]
+    int32 the version that sampled each token (None when the engine does not track it:
+    then every token has ``policy_version``).
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    policy_version: int
+    latency_s: float
+    token_versions: np.ndarray | None = None
+
+    def versions(self) -> np.ndarray:
+        """[N] int32 per-token versions (``policy_version`` everywhere when untracked)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(len(self.token_ids), self.policy_version, dtype=np.int32)
+
+
+class Engine(Protocol):
+    """Something that generates tokens.  See the module docstring for the contracts."""
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult: ...
+
+    def load_weights(self, version: int, tensors: Mapping[str, "torch.Tensor"]) -> None: ...
+
+    @property
+    def version(self) -> int: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- bridge
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Pending:
+    """A request travelling from a trio task to an engine thread and back.
+
+    The engine thread calls ``deliver`` exactly once (result or exception); the trio
+    side sets ``aborted`` when its task is cancelled (read by the engine thread between
+    steps; a plain bool write is atomic under the GIL).
+    """
+
+    req: GenerateRequest
+    deliver: Callable[[Any], None]
+    submitted: float = field(default_factory=time.monotonic)
+    rid: int = field(default_factory=lambda: next(_ids))
+    aborted: bool = False
+    delivered: bool = False
+
+    def finish(self, outcome: Any) -> None:
+        if not self.delivered:
+            self.delivered = True
+            self.deliver(outcome)
+
+
+async def bridge_call(submit: Callable[[Pending], None], req: GenerateRequest) -> GenerateResult:
+    """Submit ``req`` to an engine thread (``submit`` must not block) and await the outcome.
+
+    Cancellation of the awaiting trio task marks the request aborted and re-raises.
+    """
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+    box: list[Any] = []
+
+    def deliver(outcome: Any) -> None:  # engine thread
+        box.append(outcome)
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass
+
+    pending = Pending(req=req, deliver=deliver)
+    submit(pending)
+    try:
+        await done.wait()
+    except BaseException:
+        pending.aborted = True
+        raise
+    outcome = box[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+# ----------------------------------------------------------------------------- threaded base
+
+
+class ThreadedEngine:
+    """Skeleton of an engine with its own decoding thread and continuous batching.
+
+    Subclasses implement ``_admit(list[Pending])`` (prefill joiners into the running
+    batch), ``_step() -> list[tuple[Pending, GenerateResult]]`` (one decoding step of the
+    whole batch; returns the requests that finished), ``_drop(list[Pending])`` (remove
+    aborted requests), ``_active() -> list[Pending]``, ``_check_weights(tensors)`` and
+    ``_apply_weights(tensors)``.  The loop, in order, each iteration: drop aborted
+    requests; apply pending weights if at a safe point; admit queued requests (none while
+    a between-turns swap waits for the batch to drain); one decoding step; deliver.
+    """
+
+    def __init__(self, *, max_batch: int, update_mode: str, version: int = 0, name: str = "engine") -> None:
+        if update_mode not in ("between_turns", "inflight"):
+            raise EngineError(f"update_mode {update_mode!r}: choose between_turns or inflight")
+        self.max_batch = max_batch
+        self.update_mode = update_mode
+        self._version = version
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._pending_weights: tuple[int, Mapping[str, Any]] | None = None
+        self._closed = False
+        self._t0 = time.monotonic()
+        self._busy_s = 0.0
+        self._steps = 0
+        self._occupancy_sum = 0.0
+        self._tokens = 0
+        self._finished = 0
+        self._mid_batch_joins = 0
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    # -- public API --------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        self._validate(req)
+        return await bridge_call(self._submit, req)
+
+    def _validate(self, req: GenerateRequest) -> None:
+        if len(req.prompt_ids) == 0:
+            raise EngineError("empty prompt: a request needs at least one prompt token")
+
+    def _submit(self, p: Pending) -> None:
+        with self._cond:
+            if self._closed:
+                p.finish(EngineClosed("engine is closed"))
+                return
+            self._queue.append(p)
+            self._cond.notify()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
+        self._check_weights(tensors)
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("engine is closed")
+            self._pending_weights = (version, tensors)
+            self._cond.notify()
+
+    def stats(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self._t0, 1e-9)
+        with self._cond:
+            queued = len(self._queue)
+        return {
+            "engine_busy": self._busy_s / wall,
+            "engine_busy_s": self._busy_s,
+            "tokens_generated": float(self._tokens),
+            "requests_finished": float(self._finished),
+            "batch_occupancy": (self._occupancy_sum / self._steps) if self._steps else 0.0,
+            "decode_steps": float(self._steps),
+            "mid_batch_joins": float(self._mid_batch_joins),
+            "active": float(len(self._active())),
+            "queued": float(queued),
+            "policy_version": float(self._version),
+        }
+
+    def close(self) -> None:
+        """Stop the loop; queued and running requests finish as ``aborted`` with what they have."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    # -- loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._thread_init()
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._queue and not self._active() and self._pending_weights is None:
+                        self._cond.wait(timeout=1.0)
+                    if self._closed:
+                        break
+                self._drop_aborted()
+                self._maybe_apply_weights()
+                joiners = self._take_joiners()
+                t = time.monotonic()
+                finished: list[tuple[Pending, GenerateResult]] = []
+                try:
+                    if joiners:
+                        if self._active():
+                            self._mid_batch_joins += len(joiners)
+                        finished += self._admit(joiners)
+                    if self._active():
+                        n = len(self._active())
+                        finished += self._step()
+                        self._steps += 1
+                        self._occupancy_sum += n / self.max_batch
+                except Exception as exc:  # an engine bug must reach the callers, not kill the loop
+                    err = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
+                    for p in list(self._active()) + joiners:
+                        p.finish(err)
+                    self._reset_batch()
+                self._busy_s += time.monotonic() - t
+                for p, res in finished:
+                    self._tokens += len(res.token_ids)
+                    self._finished += 1
+                    p.finish(res)
+        finally:
+            self._shutdown()
+
+    def _take_joiners(self) -> list[Pending]:
+        with self._cond:
+            if self._pending_weights is not None and self.update_mode == "between_turns":
+                return []
+            room = self.max_batch - len(self._active())
+            out = []
+            while self._queue and room > 0:
+                p = self._queue.popleft()
+                if p.aborted:
+                    p.finish(self._aborted_result(p))
+                    continue
+                out.append(p)
+                room -= 1
+            return out
+
+    def _drop_aborted(self) -> None:
+        gone = [p for p in self._active() if p.aborted]
+        if gone:
+            self._drop(gone)
+            for p in gone:
+                p.finish(self._aborted_result(p))
+
+    def _maybe_apply_weights(self) -> None:
+        with self._cond:
+            pw = self._pending_weights
+            if pw is None or (self.update_mode == "between_turns" and self._active()):
+                return
+            self._pending_weights = None
+        version, tensors = pw
+        self._apply_weights(tensors)
+        self._version = version
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            queued = list(self._queue)
+            self._queue.clear()
+        for p in list(self._active()):
+            p.finish(self._partial_result(p, FINISH_ABORTED))
+        self._reset_batch()
+        for p in queued:
+            p.finish(self._aborted_result(p))
+
+    def _aborted_result(self, p: Pending) -> GenerateResult:
+        return GenerateResult(
+            token_ids=np.zeros(0, np.int32),
+            logprobs=np.zeros(0, np.float32),
+            finish_reason=FINISH_ABORTED,
+            policy_version=self._version,
+            latency_s=time.monotonic() - p.submitted,
+            token_versions=np.zeros(0, np.int32),
+        )
+
+    # -- subclass hooks ----------------------------------------------------------------
+
+    def _thread_init(self) -> None:
+        """Runs first in the engine thread (thread-local settings such as inference mode)."""
+
+    def _active(self) -> list[Pending]:
+        raise NotImplementedError
+
+    def _admit(self, joiners: list[Pending]) -> list[tuple[Pending, GenerateResult]]:
+        raise NotImplementedError
+
+    def _step(self) -> list[tuple[Pending, GenerateResult]]:
+        raise NotImplementedError
+
+    def _drop(self, gone: list[Pending]) -> None:
+        raise NotImplementedError
+
+    def _reset_batch(self) -> None:
+        raise NotImplementedError
+
+    def _partial_result(self, p: Pending, reason: str) -> GenerateResult:
+        return self._aborted_result(p)
+
+    def _check_weights(self, tensors: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _apply_weights(self, tensors: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+
+def make_engine(cfg: "EngineConfig", model_path: str, tokenizer: Any = None, *, version: int = 0) -> Engine:
+    """Build the engine ``cfg.name`` names (``hf``, ``vllm``, ``sim``) for ``model_path``.
+
+    ``tokenizer`` is needed only by ``sim`` (loaded from ``model_path`` when None).
+    """
+    if cfg.name == "hf":
+        from actors.hf_engine import HFEngine
+
+        return HFEngine(cfg, model_path, version=version)
+    if cfg.name == "vllm":
+        from actors.vllm_engine import VLLMEngine
+
+        return VLLMEngine(cfg, model_path, version=version)
+    if cfg.name == "sim":
+        from actors.sim_engine import SimEngine
+
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        return SimEngine(cfg, tokenizer, version=version)
+    raise EngineError(f"unknown engine {cfg.name!r}; choose hf, vllm or sim")

@@ -1,0 +1,196 @@
+"""Checkpoints: one folder per step, written atomically, the last N kept.
+
+Layout of ``<root>/step-<8 digits>/``::
+
+    model/                    HF format (save_pretrained, safetensors) + tokenizer files
+    modules.safetensors       extra trained modules (e.g. the PPO value head), "<module>.<param>"
+    trainer_state.pt          optimizer, LR scheduler, RNG states (torch.save; loaded weights_only)
+    meta.json                 {"format", "step", "schedule", "extra"} — written last
+
+Ordering: everything is written into ``<root>/.tmp-step-...`` and the folder is renamed
+to its final name only when complete (``os.rename`` is atomic on one filesystem), so a
+crash never leaves a half-written ``step-*`` folder; ``latest`` ignores temp folders and
+folders without ``meta.json``.  Older checkpoints beyond ``keep`` are removed after the
+rename.  ``extra`` is the service's opaque state (task cursor, leases, version); it must
+be JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+FORMAT = 1
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the model."""
+
+
+@dataclass
+class Loaded:
+    """What ``load_meta`` / ``load_trainer_state`` return."""
+
+    path: str
+    step: int
+    schedule: dict[str, Any] | None
+    extra: dict[str, Any]
+    trainer_state: dict[str, Any] = field(default_factory=dict)
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Complete checkpoints under ``root`` as ``(step, path)``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, "meta.json")):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def latest(root: str) -> str | None:
+    """Path of the newest complete checkpoint under ``root``, or None."""
+    cps = list_checkpoints(root)
+    return cps[-1][1] if cps else None
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, numpy and torch (CPU and CUDA when present) RNG states, weights_only-loadable."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(
+    root: str,
+    *,
+    step: int,
+    model: Any,
+    model_state: Mapping[str, torch.Tensor] | None = None,
+    tokenizer: Any = None,
+    modules: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    trainer_state: Mapping[str, Any] | None = None,
+    schedule: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    keep: int = 2,
+) -> str:
+    """Write a checkpoint for ``step`` atomically; returns its final path.
+
+    ``model`` is an (unwrapped) HF ``PreTrainedModel``; ``model_state`` the full state
+    dict to save (under FSDP, ``accelerator.get_state_dict``), default its own.
+    """
+    from safetensors.torch import save_file
+
+    meta = {"format": FORMAT, "step": step, "schedule": dict(schedule) if schedule else None, "extra": dict(extra or {})}
+    meta_json = json.dumps(meta)  # a non-JSON extra fails here, before anything is written
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-step-{step:08d}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        model.save_pretrained(os.path.join(tmp, "model"), state_dict=dict(model_state) if model_state is not None else None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        if modules:
+            flat = {f"{m}.{k}": v.detach().to("cpu").contiguous() for m, sd in modules.items() for k, v in sd.items()}
+            save_file(flat, os.path.join(tmp, "modules.safetensors"))
+        torch.save(dict(trainer_state or {}), os.path.join(tmp, "trainer_state.pt"))
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            f.write(meta_json)
+            f.flush()
+            os.fsync(f.fileno())
+        final = step_dir(root, step)
+        if os.path.exists(final):  # re-saving a step: move the old one aside first
+            old = final + f".old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(root, keep)
+    return final
+
+
+def prune(root: str, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints (and stale temp folders)."""
+    cps = list_checkpoints(root)
+    for _, path in cps[: max(len(cps) - max(keep, 1), 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_meta(path: str) -> Loaded:
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json); use checkpoint.latest(root)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this code reads {FORMAT}")
+    return Loaded(path=path, step=int(meta["step"]), schedule=meta.get("schedule"), extra=meta.get("extra") or {})
+
+
+def load_trainer_state(path: str) -> dict[str, Any]:
+    return torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+
+
+def load_model_state(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``<path>/model/*.safetensors`` (sharded or not)."""
+    from safetensors.torch import load_file
+
+    model_dir = os.path.join(path, "model")
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")) if os.path.isdir(model_dir) else []
+    if not files:
+        raise CheckpointError(f"{model_dir} holds no .safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(os.path.join(model_dir, f)))
+    return out
+
+
+def load_modules(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    p = os.path.join(path, "modules.safetensors")
+    if not os.path.isfile(p):
+        return {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in load_file(p).items():
+        mod, _, name = k.partition(".")
+        out.setdefault(mod, {})[name] = v
+    return out

@@ -1,0 +1,442 @@
+"""The learner's model, optimizer and one optimizer step on a batch of trajectory groups.
+
+``Trainer`` holds an HF causal LM (plus a value head for PPO and a frozen reference when
+``algo.kl_coef > 0``) on ``learner.device`` through ``accelerate`` (single process here;
+DDP / FSDP when started with ``accelerate launch``), AdamW, a warm-up + constant/cosine
+LR schedule and grad-norm clipping.
+
+One ``train_step(groups)`` is ONE optimizer step, in this order:
+
+1. rows: every episode of every group (a ``failed`` group is an error: the service drops
+   those); trailing non-trainable tokens are trimmed (kept for PPO: the critic's value
+   after the stream bootstraps truncated episodes); rows without trainable tokens skip;
+2. advantages (``learner.advantages``): group estimators per group, REINFORCE++ over the
+   batch, PPO's GAE per row from the critic's values before the step;
+3. micro-batches by token budget (``learner.batching``); for each: forward, log-probs
+   (``learner.logprobs`` convention, ``sampling.temperature``), decoupled-PPO loss
+   normalised by the whole batch's loss-token count (``learner.loss``), backward;
+4. clip grad norm, optimizer step, LR step, ``step += 1``.
+
+``pi_prox`` is the policy before the step.  With ``prox_forward="extra"`` it is computed by
+one extra no-grad forward over the batch at the start of the step (needed whenever a
+batch gets more than one optimizer update).  Since a step here is exactly one update,
+every micro-batch's forward runs on the pre-step weights, so the detached log-probs of
+that same forward ARE ``pi_prox``, bit for bit: ``prox_forward="auto"`` (default) reuses
+them and saves a third of the step's compute.  Both give the same step (tested).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from learner import advantages as adv_mod
+from learner import checkpoint as ckpt
+from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
+from learner.logprobs import token_entropy_BT, token_logprobs_BT
+from learner.loss import LossMetrics, PPOLossConfig, ppo_loss, sft_loss, value_loss
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Row:
+    """One episode prepared for training (numpy, unpadded)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    mu: np.ndarray
+    reward: float
+    truncated: bool
+    group: int
+    """Index of the row's group in the step's groups."""
+    index: int
+    """Index of the episode within its group."""
+    adv: np.ndarray | None = None
+    prox: np.ndarray | None = None
+    old_values: np.ndarray | None = None
+    bootstrap: float = 0.0
+
+
+def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
+    """LR multiplier for optimizer step ``step`` (0-based): linear warm-up over ``warmup``
+    steps, then 1 (``constant``) or a cosine decay to 0 at ``total`` (``cosine``)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_accelerator(device: str, dtype: str):
+    """An ``accelerate.Accelerator`` for ``device`` (``cpu``, ``cuda[:i]``, ``npu[:i]``) with
+    mixed precision for ``dtype`` where the device supports it (fp16 needs cuda/npu)."""
+    from accelerate import Accelerator
+
+    kind, _, index = device.partition(":")
+    if kind == "npu":
+        import torch_npu  # noqa: F401  (lazy: only for Ascend)
+    if kind not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"learner.device {device!r}: choose cpu, cuda[:i] or npu[:i]")
+    if index and kind == "cuda":
+        torch.cuda.set_device(int(index))
+    elif index and kind == "npu":
+        torch.npu.set_device(int(index))  # type: ignore[attr-defined]
+    mp = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    if mp == "fp16" and kind == "cpu":
+        mp = "no"  # CPU autocast has no fp16; train in fp32
+    return Accelerator(cpu=kind == "cpu", mixed_precision=mp)
+
+
+class Trainer:
+    """See the module docstring.  ``step`` counts completed optimizer steps."""
+
+    def __init__(self, cfg: Any, model_path: str, *, prox_forward: str = "auto", total_steps: int | None = None) -> None:
+        from accelerate.utils import set_seed
+        from transformers import AutoModelForCausalLM
+
+        if prox_forward not in ("auto", "extra"):
+            raise ValueError(f"prox_forward must be 'auto' or 'extra', got {prox_forward!r}")
+        self.cfg = cfg
+        self.algo = cfg.algo
+        self.prox_forward = prox_forward
+        self.temperature = float(cfg.sampling.temperature)
+        self.total_steps = int(total_steps if total_steps is not None else cfg.learner.steps)
+        self.step = 0
+        self.accelerator = make_accelerator(cfg.learner.device, cfg.model.dtype)
+        self.device = self.accelerator.device
+        set_seed(cfg.learner.seed)
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        model.train()
+        self.tokenizer = _load_tokenizer(model_path)
+        self.model = self.accelerator.prepare_model(model)
+        self.value_head: nn.Module | None = None
+        if self.algo.name == "ppo":
+            hidden = model.config.get_text_config().hidden_size
+            head = nn.Linear(hidden, 1)
+            nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden + 1))
+            nn.init.zeros_(head.bias)
+            self.value_head = self.accelerator.prepare_model(head)
+        self.ref_model = None
+        if self.algo.kl_coef > 0:
+            ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            ref.config.use_cache = False
+            ref.requires_grad_(False).eval()
+            self.ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
+
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            self.params += list(self.value_head.parameters())
+        opt = torch.optim.AdamW(self.params, lr=self.algo.lr, betas=tuple(self.algo.betas), weight_decay=self.algo.weight_decay)
+        self.optimizer = self.accelerator.prepare_optimizer(opt)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_factor(s, warmup=self.algo.warmup_steps, total=self.total_steps, kind=self.algo.lr_schedule)
+        )
+        self.loss_cfg = PPOLossConfig(
+            clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, behaviour_cap=self.algo.behaviour_cap,
+            seq_mask=self.algo.seq_mask, seq_mask_low=self.algo.seq_mask_low, seq_mask_high=self.algo.seq_mask_high,
+            kl_coef=self.algo.kl_coef, entropy_coef=self.algo.entropy_coef,
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def hf_model(self) -> Any:
+        """The unwrapped HF model."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def train_step(self, groups: Sequence[Any]) -> dict[str, float]:
+        """One optimizer step on ``groups`` (``protocol.messages.TrajectoryGroup``); returns
+        metrics namespaced ``loss/...`` and ``perf/...``.  ``algo=sft`` trains masked NLL on
+        every episode of the groups instead."""
+        for g in groups:
+            if g.failed:
+                raise ValueError(f"group of lease {g.lease_id!r} is marked failed ({g.error}); failed groups are never trained on")
+        if self.algo.name == "sft":
+            return self.sft_step([ep for g in groups for ep in g.episodes])
+        t0 = time.perf_counter()
+        rows, skipped = self._rows(groups, trim=self.algo.name != "ppo")
+        degenerate = adv_mod.count_degenerate([np.array([ep.reward for ep in g.episodes]) for g in groups])
+        if not rows:
+            return self._finish_empty(t0, skipped, degenerate)
+        self._advantages(groups, rows)
+        plan = plan_micro_batches([len(r.ids) for r in rows], self.algo.micro_batch_tokens)
+        num_tokens = self._normaliser(sum(float(r.mask.sum()) for r in rows))
+        if self.prox_forward == "extra":
+            self._proximal_pass(rows, plan)
+
+        metrics = LossMetrics()
+        value_sum = 0.0
+        for i, mb in enumerate(plan):
+            sync = i == len(plan) - 1
+            with nullcontext() if sync else self.accelerator.no_sync(self.model):
+                m, v = self._policy_micro_batch([rows[j] for j in mb], num_tokens)
+            metrics = metrics.merge(m)
+            value_sum += v
+        out = self._optimizer_step()
+        out.update({f"loss/{k}": v for k, v in metrics.means().items() if k != "tokens"})
+        if self.value_head is not None:
+            out["loss/value"] = value_sum
+        out["loss/degenerate_groups"] = float(degenerate)
+        out.update(self._perf(t0, rows, plan, skipped))
+        return out
+
+    def sft_step(self, episodes: Sequence[Any]) -> dict[str, float]:
+        """One optimizer step of masked NLL on the episodes' loss-mask (assistant) tokens."""
+        t0 = time.perf_counter()
+        rows, skipped = self._rows_from_episodes(episodes, trim=True)
+        if not rows:
+            return self._finish_empty(t0, skipped, 0)
+        plan = plan_micro_batches([len(r.ids) for r in rows], self.algo.micro_batch_tokens)
+        num_tokens = self._normaliser(sum(float(r.mask.sum()) for r in rows))
+        nll = 0.0
+        for i, mb in enumerate(plan):
+            sync = i == len(plan) - 1
+            with nullcontext() if sync else self.accelerator.no_sync(self.model):
+                ids, attn, mask, _ = self._collate([rows[j] for j in mb])
+                logits = self.model(input_ids=ids, attention_mask=attn).logits
+                loss = sft_loss(logprobs_BT=token_logprobs_BT(logits, ids, self.temperature), mask_BT=mask, num_tokens=num_tokens)
+                self.accelerator.backward(loss)
+                nll += float(loss.detach())
+        out = self._optimizer_step()
+        out["loss/sft_nll"] = nll
+        out.update(self._perf(t0, rows, plan, skipped))
+        return out
+
+    def state_dict_for_publish(self, dtype: str, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Full model state dict with HF parameter names, floating tensors cast to ``dtype``,
+        on CPU, contiguous.  Gathers under FSDP (``accelerator.get_state_dict``; every rank
+        must call it).  ``copy=True`` guarantees the tensors do not alias live parameters;
+        ``copy=False`` may alias them (publish at once, before the next step)."""
+        if dtype not in _DTYPES:
+            raise ValueError(f"transfer dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+        target = _DTYPES[dtype]
+        sd = self.accelerator.get_state_dict(self.model)
+        out = {}
+        for k, v in sd.items():
+            v = v.detach()
+            want = target if v.is_floating_point() else v.dtype
+            out[k] = v.to(device="cpu", dtype=want, copy=copy).contiguous()
+        return out
+
+    def save_checkpoint(self, root: str, *, schedule: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                        keep: int | None = None) -> str | None:
+        """Write ``<root>/step-<step>`` (``learner.checkpoint``); returns its path (None on
+        ranks other than the main one, which still take part in the gather)."""
+        model_state = self.accelerator.get_state_dict(self.model)
+        modules = {}
+        if self.value_head is not None:
+            modules["value_head"] = self.accelerator.get_state_dict(self.value_head)
+        if not self.accelerator.is_main_process:
+            return None
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": ckpt.capture_rng()}
+        return ckpt.save(
+            root, step=self.step, model=self.hf_model, model_state=model_state, tokenizer=self.tokenizer, modules=modules,
+            trainer_state=state, schedule=schedule, extra=extra, keep=self.cfg.learner.keep_checkpoints if keep is None else keep,
+        )
+
+    def load_checkpoint(self, path: str) -> ckpt.Loaded:
+        """Restore model, value head, optimizer, LR schedule, RNG and step from ``path``;
+        returns the checkpoint's schedule state and ``extra`` for the service."""
+        loaded = ckpt.load_meta(path)
+        self._load_model_state(ckpt.load_model_state(path))
+        modules = ckpt.load_modules(path)
+        if self.value_head is not None:
+            if "value_head" not in modules:
+                raise ckpt.CheckpointError(f"{path} has no value head; it was not written by a PPO run")
+            self.accelerator.unwrap_model(self.value_head).load_state_dict(modules["value_head"])
+        state = ckpt.load_trainer_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        ckpt.restore_rng(state["rng"])
+        self.step = loaded.step
+        return loaded
+
+    # ------------------------------------------------------------------ internals
+
+    def _load_model_state(self, sd: Mapping[str, torch.Tensor]) -> None:
+        model = self.hf_model
+        missing, unexpected = model.load_state_dict(dict(sd), strict=False)
+        tied = set()
+        out_emb = model.get_output_embeddings()
+        if out_emb is not None and out_emb.weight is model.get_input_embeddings().weight:
+            tied = {k for k, p in model.named_parameters(remove_duplicate=False) if p is out_emb.weight}
+        bad = [k for k in missing if k not in tied]
+        if bad or unexpected:
+            raise ckpt.CheckpointError(f"checkpoint does not fit the model: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
+
+    def _rows(self, groups: Sequence[Any], *, trim: bool) -> tuple[list[_Row], int]:
+        rows: list[_Row] = []
+        skipped = 0
+        for gi, g in enumerate(groups):
+            r, s = self._rows_from_episodes(g.episodes, trim=trim, group=gi)
+            rows += r
+            skipped += s
+        return rows, skipped
+
+    def _rows_from_episodes(self, episodes: Sequence[Any], *, trim: bool, group: int = 0) -> tuple[list[_Row], int]:
+        rows, skipped = [], 0
+        for k, ep in enumerate(episodes):
+            mask = np.asarray(ep.loss_mask, dtype=np.float32)
+            if not mask.any():
+                skipped += 1
+                continue
+            end = int(np.nonzero(mask)[0][-1]) + 1 if trim else len(mask)
+            rows.append(_Row(
+                ids=np.asarray(ep.token_ids[:end], dtype=np.int64), mask=mask[:end],
+                mu=np.asarray(ep.logprobs[:end], dtype=np.float32), reward=float(ep.reward),
+                truncated=ep.finish_reason != "done", group=group, index=k,
+            ))
+        return rows, skipped
+
+    def _advantages(self, groups: Sequence[Any], rows: list[_Row]) -> None:
+        """Fill ``row.adv`` ([T] float64) for every estimator but PPO (done per micro-batch)."""
+        name = self.algo.name
+        if name == "ppo":
+            return
+        if name in adv_mod.GROUP_ESTIMATORS:
+            adv_G = [adv_mod.group_advantages_G(name, np.array([ep.reward for ep in g.episodes])) for g in groups]
+            for r in rows:
+                r.adv = adv_G[r.group][r.index] * (r.mask > 0)
+            return
+        if name == "reinforce_pp":
+            mask_BT = pad_BT([r.mask for r in rows]).numpy()
+            rewards_BT = adv_mod.outcome_rewards_BT(np.array([r.reward for r in rows]), mask_BT)
+            keep_B = np.array([not adv_mod.is_degenerate_G(np.array([ep.reward for ep in groups[r.group].episodes])) for r in rows])
+            adv_BT = adv_mod.reinforce_pp_BT(rewards_BT, mask_BT, self.algo.gamma, keep_B=keep_B)
+            for b, r in enumerate(rows):
+                r.adv = adv_BT[b, : len(r.ids)]
+            return
+        raise ValueError(f"algo {name!r} has no advantage estimator")
+
+    def _normaliser(self, local_tokens: float) -> float:
+        world = self.accelerator.num_processes
+        if world > 1:
+            t = torch.tensor([local_tokens], device=self.device)
+            local_tokens = float(self.accelerator.reduce(t, reduction="sum")[0])
+        return accumulation_normaliser(int(local_tokens), world)
+
+    def _collate(self, rows: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.device
+        ids = pad_BT([r.ids for r in rows]).to(d)
+        attn = pad_BT([np.ones(len(r.ids), dtype=np.int64) for r in rows]).to(d)
+        mask = pad_BT([r.mask for r in rows]).to(d)
+        mu = pad_BT([r.mu for r in rows]).to(d)
+        return ids, attn, mask, mu
+
+    def _forward(self, rows: Sequence[_Row], ids: torch.Tensor, attn: torch.Tensor, *, grad_entropy: bool):
+        """Forward through the policy: (logprobs_BT, entropy_BT, values_BT | None, bootstrap_B | None)."""
+        want_hidden = self.value_head is not None
+        out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=want_hidden)
+        logp = token_logprobs_BT(out.logits, ids, self.temperature)
+        if grad_entropy:
+            ent = token_entropy_BT(out.logits, self.temperature)
+        else:
+            with torch.no_grad():
+                ent = token_entropy_BT(out.logits.detach(), self.temperature)
+        values = boot = None
+        if want_hidden:
+            v_all = self.value_head(out.hidden_states[-1].float()).squeeze(-1)
+            values = torch.nn.functional.pad(v_all[:, :-1], (1, 0), value=0.0)
+            lengths = torch.tensor([len(r.ids) for r in rows], device=ids.device)
+            boot = v_all[torch.arange(len(rows), device=ids.device), lengths - 1]
+        return logp, ent, values, boot
+
+    @torch.no_grad()
+    def _proximal_pass(self, rows: list[_Row], plan: list[list[int]]) -> None:
+        """The extra no-grad forward: pi_prox (and the critic's values) before the step."""
+        for mb in plan:
+            sub = [rows[j] for j in mb]
+            ids, attn, _, _ = self._collate(sub)
+            logp, _, values, boot = self._forward(sub, ids, attn, grad_entropy=False)
+            for b, r in enumerate(sub):
+                n = len(r.ids)
+                r.prox = logp[b, :n].float().cpu().numpy()
+                if values is not None:
+                    r.old_values = values[b, :n].float().cpu().numpy()
+                    r.bootstrap = float(boot[b]) if r.truncated else 0.0
+
+    def _policy_micro_batch(self, rows: list[_Row], num_tokens: float) -> tuple[LossMetrics, float]:
+        ids, attn, mask, mu = self._collate(rows)
+        logp, ent, values, boot = self._forward(rows, ids, attn, grad_entropy=self.loss_cfg.entropy_coef != 0)
+        if self.prox_forward == "extra":
+            prox = pad_BT([r.prox for r in rows]).to(self.device)
+        else:
+            prox = logp.detach()
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = token_logprobs_BT(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids, self.temperature)
+        vloss = None
+        if values is not None:
+            if self.prox_forward == "extra":
+                old_v = pad_BT([r.old_values for r in rows]).numpy()
+                boot_B = np.array([r.bootstrap for r in rows])
+            else:
+                old_v = values.detach().float().cpu().numpy()
+                boot_B = np.where([r.truncated for r in rows], boot.detach().float().cpu().numpy(), 0.0)
+            mask_np = mask.cpu().numpy()
+            rewards_BT = adv_mod.outcome_rewards_BT(np.array([r.reward for r in rows]), mask_np)
+            adv_np, ret_np = adv_mod.gae_BT(rewards_BT, old_v, mask_np, self.algo.gamma, self.algo.lam, boot_B)
+            adv = torch.from_numpy(adv_np).to(self.device, torch.float32)
+            vloss = value_loss(values_BT=values, returns_BT=torch.from_numpy(ret_np).to(self.device), mask_BT=mask, num_tokens=num_tokens)
+        else:
+            adv = pad_BT([r.adv for r in rows]).to(self.device, torch.float32)
+        loss, metrics = ppo_loss(
+            logprobs_BT=logp, prox_logprobs_BT=prox, behaviour_logprobs_BT=mu, advantages_BT=adv, mask_BT=mask,
+            num_tokens=num_tokens, cfg=self.loss_cfg, ref_logprobs_BT=ref, entropy_BT=ent,
+        )
+        v = 0.0
+        if vloss is not None:
+            loss = loss + self.algo.value_coef * vloss
+            v = float(vloss.detach())
+        self.accelerator.backward(loss)
+        return metrics, v
+
+    def _optimizer_step(self) -> dict[str, float]:
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = self.accelerator.clip_grad_norm_(self.params, self.algo.grad_clip if self.algo.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss/grad_norm": float(grad_norm), "loss/lr": float(lr)}
+
+    def _finish_empty(self, t0: float, skipped: int, degenerate: int) -> dict[str, float]:
+        """Nothing trainable: no optimizer step, so ``step`` does not advance."""
+        return {"loss/degenerate_groups": float(degenerate), "perf/skipped_episodes": float(skipped),
+                "perf/tokens": 0.0, "perf/step_s": time.perf_counter() - t0}
+
+    def _perf(self, t0: float, rows: list[_Row], plan: list[list[int]], skipped: int) -> dict[str, float]:
+        dt = time.perf_counter() - t0
+        tokens = float(sum(len(r.ids) for r in rows))
+        return {
+            "perf/step_s": dt,
+            "perf/tokens": tokens,
+            "perf/loss_tokens": float(sum(r.mask.sum() for r in rows)),
+            "perf/tokens_per_s": tokens / dt if dt > 0 else 0.0,
+            "perf/episodes": float(len(rows)),
+            "perf/skipped_episodes": float(skipped),
+            "perf/micro_batches": float(len(plan)),
+            "perf/padded_tokens": float(sum(len(mb) * max(len(rows[j].ids) for j in mb) for mb in plan)),
+        }
+
+
+def _load_tokenizer(model_path: str) -> Any:
+    """The model folder's tokenizer, or None when it has none (tests build bare models)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError):
+        return None

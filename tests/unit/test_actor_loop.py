@@ -1,0 +1,149 @@
+"""The actor loop against the real learner service (fake trainer) over 127.0.0.1, with a
+fake engine, fake env client and fake group player."""
+
+from __future__ import annotations
+
+import trio
+
+from actors.actor import Actor, ActorDeps, Runtime
+from learner.service import LearnerService, ServiceParts
+from tests.unit.fakes import make_group
+from tests.unit.test_learner_service import FakePublisher, FakeSchedule, FakeTrainer, make_cfg
+
+
+class FakeEngine:
+    def __init__(self):
+        self.version = 0
+        self.loaded: list[int] = []
+        self.closed = False
+
+    def load_weights(self, version, tensors):
+        self.loaded.append(version)
+        self.version = version
+
+    def stats(self):
+        return {"engine_busy": 0.5}
+
+    def close(self):
+        self.closed = True
+
+
+class FakeEnvClient:
+    def __init__(self, fail_steps=()):
+        self.n = 0
+        self.created, self.closed, self.resets, self.steps = [], [], 0, 0
+        self.fail_steps = set(fail_steps)
+
+    async def create(self):
+        self.n += 1
+        self.created.append(self.n)
+        return self.n
+
+    async def reset(self, env_id, data_idx):
+        self.resets += 1
+        return {"observation": f"task {data_idx}", "info": {"category": "GoTo"}}
+
+    async def step(self, env_id, action):
+        self.steps += 1
+        await trio.sleep(0.001)
+        if self.steps in self.fail_steps:
+            raise ConnectionError("env server hiccup")
+        return {"observation": "ok", "reward": 1.0, "done": True}
+
+
+    async def close(self, env_id):
+        self.closed.append(env_id)
+        return True
+
+
+def make_actor(cfg, env_client, engine):
+    async def play_group(lease, sessions):
+        assert len(sessions) == lease.group_size
+        errored = False
+        for s in sessions:
+            await s.reset(lease.task.data_idx)
+            try:
+                await s.step("go")
+            except ConnectionError:
+                errored = True
+        return make_group(lease, actor_id=actor.actor_id, version=engine.version, failed=errored)
+
+    async def make_runtime(welcome):
+        return Runtime(engine=engine, play_group=play_group)
+
+    async def pull(sock, manifest, timeout_s):
+        return {}
+
+    actor_cfg = cfg.actor
+    actor_cfg.learner_port = cfg.learner.port
+    actor_cfg.request_timeout_s = 2.0
+    actor_cfg.reconnect_max_backoff_s = 0.5
+    actor = Actor(cfg=actor_cfg, deps=ActorDeps(make_runtime=make_runtime, pull=pull, make_env_client=lambda url: env_client),
+                  engine_name="fake")
+    return actor
+
+
+def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
+    cfg = make_cfg(**{"learner.steps": 4, "learner.max_staleness": 1, "actor.max_groups": 2, "learner.heartbeat_interval_s": 0.2})
+    trainer, pub = FakeTrainer(), FakePublisher()
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.5, 0.2
+    env, engine = FakeEnvClient(fail_steps={3}), FakeEngine()
+    actor = make_actor(cfg, env, engine)
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                rc = await actor.run()
+                assert rc == 0
+        return rc
+
+    trio.run(main)
+    assert trainer.step == 4 and len(trainer.trained) == 8 == len(set(trainer.trained))
+    assert engine.loaded[0] == 0 and engine.loaded[-1] >= 3  # pulled new versions mid-run
+    assert engine.closed
+    assert actor.stats.groups_accepted >= 8
+    assert len(env.created) <= cfg.actor.max_groups * cfg.algo.group_size + 1  # reused, one replaced
+    assert len(env.closed) == len(env.created)  # all closed at exit (the broken one at once)
+    assert actor.stop_reason.startswith("learner shutdown")
+
+
+def test_actor_survives_learner_restart():
+    cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 1})
+    env, engine = FakeEnvClient(), FakeEngine()
+    actor = make_actor(cfg, env, engine)
+    trainers = []
+
+    def service():
+        t = FakeTrainer()
+        trainers.append(t)
+        s = LearnerService(cfg, ServiceParts(trainer=t, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+        s.linger_s, s.announce_every_s = 0.5, 0.2
+        return s
+
+    async def main():
+        with trio.fail_after(40):
+            async with trio.open_nursery() as n:
+                n.start_soon(actor.run)
+                first = service()
+                cs = trio.CancelScope()
+
+                async def first_run():
+                    with cs:
+                        await first.serve()
+
+                n.start_soon(first_run)
+                await first.ready.wait()
+                while actor.stats.groups_accepted < 1:
+                    await trio.sleep(0.01)
+                cs.cancel()  # the learner "dies" (sockets closed)
+                await trio.sleep(1.0)
+                assert not actor.stopping
+                second = service()
+                await second.serve()  # runs to its end; the actor must reconnect and feed it
+
+    trio.run(main)
+    assert actor.stats.sessions >= 2
+    assert trainers[1].step == 2
