@@ -1,6 +1,8 @@
 """Env family name -> ``module:factory``; imported lazily so a server loads only its own deps.
 
-``factory(cfg: conf.schema.EnvConfig) -> envhub.base.EnvFamily``.
+``factory(cfg: conf.schema.EnvConfig) -> envhub.base.EnvFamily``.  When
+``cfg.options`` holds ``sim_latency`` the family is wrapped in the simulated long-tail
+workload of ``envhub.simwork`` (benchmarks only; off by default).
 """
 
 from __future__ import annotations
@@ -19,5 +21,8 @@ FAMILIES: dict[str, str] = {
 def make_family(cfg):
     if cfg.name not in FAMILIES:
         raise ValueError(f"config key 'env.name': unknown env {cfg.name!r}; choose one of {sorted(FAMILIES)}")
+    from envhub.simwork import split_options, wrap
+
+    own, sim = split_options(cfg)
     module, attr = FAMILIES[cfg.name].split(":")
-    return getattr(importlib.import_module(module), attr)(cfg)
+    return wrap(getattr(importlib.import_module(module), attr)(own), sim)

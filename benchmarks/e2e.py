@@ -1,0 +1,307 @@
+"""``turnscale bench e2e``: asynchronous against synchronous training, end to end.
+
+Real processes on 127.0.0.1 — one envhub server (BabyAI with the simulated long-tail
+workload of ``envhub.simwork``), one learner, N actors — started and ended by pid
+(``turnscale.procs``).  Every run gets fresh processes and a fresh envhub (so each run
+faces the same per-task costs), the same tasks (``learner.seed``), the same model and
+the same number of actors; only ``learner.max_staleness`` differs:
+
+* async: ``max_staleness = 2`` (leases flow while at most 2 versions ahead);
+* sync: ``max_staleness = 0`` — one batch of ``groups_per_step`` leases per version and a
+  barrier per step, AgentGym-RL's lock-step, through the same code.
+
+Figures (``benchmarks.common.Result``):
+
+* ``async_vs_sync_sim`` / ``async_vs_sync_hf``: async groups trained/s, baseline sync,
+  ratio = speed-up (target 2.5 for sim);  ``..._tokens``: the same for generated tokens/s;
+* ``async_efficiency_sim``: achieved speed-up over the ideal one that the sync run's own
+  sampled episode costs allow (``benchmarks.makespan``: lock-step makespan over
+  work-conserving makespan with the same slots and the measured step time), target 0.85;
+* ``scaling_sim_<n>actors``: groups/s with n actors against 1 actor;
+  ``learner_busy_<n>actors``: the learner's busy fraction at the largest n (ratio =
+  1/busy, target 2: the learner is busy at most half the time, so it is not the bottleneck);
+* per run: learner busy fraction, staleness mean, dropped groups; the full detail
+  (staleness histogram, every group's episode durations, weight-sync figures when the
+  learner logs them) goes to ``<e2e-dir>/e2e_runs.json``.
+
+Sizes are flags (``--e2e-*``); the default suite is sized for ~6 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Result, result
+from benchmarks.e2e_stats import RunStats, load_run
+from benchmarks.makespan import ideal_speedup, lockstep_makespan, work_conserving_makespan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The long-tail workload the envhub serves (``env.options.sim_latency``)."""
+
+    seed: int = 0
+    median_s: float = 0.2
+    sigma: float = 0.8
+    max_s: float = 5.0
+    task_sigma: float = 1.2
+    reset_s: float = 0.3
+    steps_median: float = 1.0
+    steps_sigma: float = 1.0
+    steps_max: int = 12
+
+    def override(self) -> str:
+        body = ", ".join(f"{k}: {v}" for k, v in asdict(self).items())
+        return "+env.options.sim_latency={" + body + "}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One end-to-end run: a learner and ``actors`` actor processes."""
+
+    name: str
+    engine: str = "sim"
+    """Actor engine: ``sim`` (cost model, no math) or ``hf`` (the tiny model for real)."""
+    actors: int = 4
+    max_groups: int = 1
+    """Leases each actor runs at once."""
+    group_size: int = 4
+    groups_per_step: int = 4
+    steps: int = 10
+    max_staleness: int = 2
+    turn_limit: int = 16
+    max_new_tokens: int = 48
+    decode_s_per_step: float = 0.005
+    """Sim engine: seconds per decoding step of the whole batch."""
+    mean_new_tokens: int = 24
+    long_tail: float = 0.2
+    seed: int = 0
+    warmup: int = 1
+    """Steps excluded from rates (start-up)."""
+
+    @property
+    def slots(self) -> int:
+        return self.actors * self.max_groups
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envhub_args(workload: Workload, port: int) -> list[str]:
+    return ["envhub", "env=babyai", "host=127.0.0.1", f"port={port}", workload.override()]
+
+
+BENCH_MODEL = ("model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+               "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128")
+"""The benchmark's tiny model (0.3M parameters): training stays cheap next to rollouts."""
+
+
+def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], learner_dir: Path) -> list[str]:
+    return [
+        "learner", "env=babyai", *BENCH_MODEL, f"env.port={env_port}", f"engine={spec.engine}", "algo=grpo",
+        f"algo.group_size={spec.group_size}", "algo.lr=1e-4",
+        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
+        f"learner.max_staleness={spec.max_staleness}", f"learner.groups_per_step={spec.groups_per_step}",
+        f"learner.steps={spec.steps}", f"learner.seed={spec.seed}", f"learner.dir={learner_dir}",
+        f"learner.checkpoint_every={spec.steps + 1000}", "learner.save_trajectories=true",
+        f"schedule.turns=[{spec.turn_limit}]", f"sampling.max_new_tokens={spec.max_new_tokens}",
+        "logger.tensorboard=false", "logger.console_every_s=5",
+    ]
+
+
+def actor_args(spec: RunSpec, learner_port: int, index: int) -> list[str]:
+    return [
+        "actor", f"engine={spec.engine}", f"engine.sim.seed={spec.seed * 1000 + index}",
+        f"engine.sim.decode_s_per_step={spec.decode_s_per_step}", f"engine.sim.mean_new_tokens={spec.mean_new_tokens}",
+        f"engine.sim.long_tail={spec.long_tail}",
+        "actor.learner_host=127.0.0.1", f"actor.learner_port={learner_port}",
+        f"actor.max_groups={spec.max_groups}", f"actor.actor_id={spec.name}-a{index}",
+    ]
+
+
+def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float) -> RunStats:
+    """Start envhub, learner and actors for ``spec``; wait for the learner to finish its
+    steps (bounded by ``timeout_s``); end every child by pid; read the learner's files."""
+    from turnscale.procs import ChildFailed, ProcessGroup, wait_http_ok
+
+    run_dir = root / spec.name
+    learner_dir = run_dir / "learner"
+    env_port, ports = free_port(), (free_port(), free_port(), free_port())
+    deadline = time.monotonic() + timeout_s
+    with ProcessGroup(run_dir / "logs") as pg:
+        env = pg.start("envhub", envhub_args(workload, env_port))
+        learner = pg.start("learner", learner_args(spec, env_port, ports, learner_dir))
+        wait_http_ok(f"http://127.0.0.1:{env_port}/health", timeout_s=min(60.0, timeout_s), child=env)
+        actors = [pg.start(f"actor{i}", actor_args(spec, ports[0], i)) for i in range(spec.actors)]
+        while learner.alive():
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{spec.name}: learner did not finish {spec.steps} steps in {timeout_s:.0f}s:\n{learner.tail()}")
+            for c in [env, *actors]:
+                if not c.alive() and c.popen.returncode != 0:
+                    raise ChildFailed(f"{spec.name}: {c.name} exited with {c.popen.returncode}:\n{c.tail()}")
+            time.sleep(0.25)
+        if learner.popen.returncode != 0:
+            raise ChildFailed(f"{spec.name}: learner exited with {learner.popen.returncode}:\n{learner.tail()}")
+    return load_run(learner_dir, spec.groups_per_step, spec.warmup)
+
+
+@dataclass
+class Outcome:
+    spec: RunSpec
+    stats: RunStats
+
+
+def _details(o: Outcome) -> dict[str, Any]:
+    s = o.stats
+    return {
+        "spec": asdict(o.spec), "steps": s.steps, "window_s": s.window_s, "groups_trained": s.groups_trained,
+        "groups_per_s": s.groups_per_s, "tokens_per_s": s.tokens_per_s, "learner_busy": s.learner_busy,
+        "step_time_s": s.step_time_s, "staleness_hist": s.staleness_hist, "dropped": s.dropped, "extra": s.extra,
+        "groups": [{"lease_id": g.lease_id, "data_idx": g.data_idx, "accepted": g.accepted,
+                    "episode_s": list(g.episode_s), "turns": list(g.turns), "sampled_tokens": g.sampled_tokens} for g in s.groups],
+    }
+
+
+def ideal(sync: Outcome) -> tuple[float, float, float]:
+    """(ideal speed-up, lock-step makespan, work-conserving makespan) of the sync run's own
+    trained groups, with its slots, batch and measured step time."""
+    d, sp, st = sync.stats.trained_durations, sync.spec, sync.stats.step_time_s
+    return (ideal_speedup(d, sp.slots, sp.groups_per_step, st),
+            lockstep_makespan(d, sp.slots, sp.groups_per_step, st),
+            work_conserving_makespan(d, sp.slots, sp.groups_per_step, st))
+
+
+def compare(tag: str, a: Outcome, s: Outcome, target: float | None, efficiency_target: float | None) -> list[Result]:
+    """Results of one async/sync pair."""
+    out = [
+        result(f"async_vs_sync_{tag}", a.stats.groups_per_s, "groups/s", f"sync lock-step (max_staleness=0), {s.spec.actors} actors",
+               s.stats.groups_per_s, target=target),
+        result(f"async_vs_sync_{tag}_tokens", a.stats.tokens_per_s, "gen tokens/s", "sync lock-step", s.stats.tokens_per_s),
+    ]
+    speedup = a.stats.groups_per_s / s.stats.groups_per_s if s.stats.groups_per_s > 0 else float("nan")
+    best, _, _ = ideal(s)
+    out.append(result(f"async_efficiency_{tag}", speedup, "speed-up", "ideal speed-up of the sampled costs", best, target=efficiency_target))
+    return out
+
+
+def per_run(o: Outcome) -> list[Result]:
+    s, n = o.stats, o.spec.name
+    out = [result(f"{n}_learner_busy", s.learner_busy, "fraction", "always busy", 1.0)]
+    if s.staleness_hist:
+        total = sum(s.staleness_hist.values())
+        mean = sum(k * v for k, v in s.staleness_hist.items()) / max(total, 1)
+        out.append(result(f"{n}_staleness_mean", mean, "versions", f"max_staleness={o.spec.max_staleness}", max(o.spec.max_staleness, 1)))
+    for key, val in sorted(s.extra.items()):
+        out.append(result(f"{n}_{key.replace('/', '_')}", val, "s" if key.endswith("_s") else "fraction", "reported only", 1.0))
+    return out
+
+
+def add_arguments(parser) -> None:
+    a = parser.add_argument
+    a("--e2e-parts", default="sim,hf,scaling", help="comma list of: sim (async vs sync, sim engine), hf (same, tiny model), scaling")
+    a("--e2e-actors", type=int, default=4, help="actors in the async/sync comparisons")
+    a("--e2e-max-groups", type=int, default=2, help="leases per actor (slots = actors x this)")
+    a("--e2e-group-size", type=int, default=2, help="episodes per group (GRPO n)")
+    a("--e2e-groups-per-step", type=int, default=0, help="0: one group per slot (actors x max-groups)")
+    a("--e2e-steps", type=int, default=8, help="optimizer steps per sim run (the first is warm-up)")
+    a("--e2e-hf-steps", type=int, default=4)
+    a("--e2e-hf-turn-limit", type=int, default=4)
+    a("--e2e-hf-max-new-tokens", type=int, default=16)
+    a("--e2e-turn-limit", type=int, default=12)
+    a("--e2e-max-new-tokens", type=int, default=48)
+    a("--e2e-staleness", type=int, default=2, help="max_staleness of the async runs")
+    a("--e2e-scaling", default="1,2,4,8", help="actor counts for the scaling runs")
+    a("--e2e-scaling-steps", type=int, default=8, help="steps at the largest actor count (fewer with fewer actors)")
+    a("--e2e-scaling-groups-per-step", type=int, default=4, help="batch of the scaling runs (x (1 + staleness) >= top count)")
+    a("--e2e-latency-median", type=float, default=Workload.median_s, help="median env step latency, s")
+    a("--e2e-latency-sigma", type=float, default=Workload.sigma)
+    a("--e2e-task-sigma", type=float, default=Workload.task_sigma, help="spread of the per-task latency factor")
+    a("--e2e-reset-latency", type=float, default=Workload.reset_s, help="median env reset latency, s")
+    a("--e2e-episode-steps-median", type=float, default=Workload.steps_median, help="median env steps per task")
+    a("--e2e-episode-steps-sigma", type=float, default=Workload.steps_sigma)
+    a("--e2e-decode-s", type=float, default=RunSpec.decode_s_per_step, help="sim engine: seconds per decoding step")
+    a("--e2e-seed", type=int, default=0)
+    a("--e2e-dir", default="runs/bench_e2e", help="run folders, logs and e2e_runs.json go here")
+    a("--e2e-run-timeout", type=float, default=180.0, help="seconds one run may take")
+
+
+def run(args) -> list[Result]:
+    root = Path(args.e2e_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    parts = {p.strip() for p in args.e2e_parts.split(",") if p.strip()}
+    workload = Workload(seed=args.e2e_seed, median_s=args.e2e_latency_median, sigma=args.e2e_latency_sigma,
+                        task_sigma=args.e2e_task_sigma, reset_s=args.e2e_reset_latency,
+                        steps_median=args.e2e_episode_steps_median, steps_sigma=args.e2e_episode_steps_sigma,
+                        steps_max=args.e2e_turn_limit)
+    base = RunSpec(name="", actors=args.e2e_actors, max_groups=args.e2e_max_groups, group_size=args.e2e_group_size,
+                   groups_per_step=args.e2e_groups_per_step or args.e2e_actors * args.e2e_max_groups,
+                   steps=args.e2e_steps, turn_limit=args.e2e_turn_limit, max_new_tokens=args.e2e_max_new_tokens,
+                   decode_s_per_step=args.e2e_decode_s, seed=args.e2e_seed)
+    outcomes: list[Outcome] = []
+    results: list[Result] = []
+
+    def go(spec: RunSpec) -> Outcome:
+        t0 = time.monotonic()
+        print(f"   e2e run {spec.name}: {spec.engine}, {spec.actors} actors, max_staleness={spec.max_staleness}, {spec.steps} steps", flush=True)
+        o = Outcome(spec, run_one(spec, workload, root, args.e2e_run_timeout))
+        print(f"   -> {o.stats.groups_per_s:.3g} groups/s, {o.stats.tokens_per_s:.4g} tok/s, learner busy {o.stats.learner_busy:.2f}"
+              f" ({time.monotonic() - t0:.0f}s)", flush=True)
+        outcomes.append(o)
+        return o
+
+    async_sim = None
+    if "sim" in parts:
+        async_sim = go(replace(base, name="sim_async", max_staleness=args.e2e_staleness))
+        sync_sim = go(replace(base, name="sim_sync", max_staleness=0))
+        results += compare("sim", async_sim, sync_sim, target=2.5, efficiency_target=0.85)
+    if "hf" in parts:
+        hf = replace(base, engine="hf", steps=args.e2e_hf_steps, turn_limit=args.e2e_hf_turn_limit, max_new_tokens=args.e2e_hf_max_new_tokens)
+        a = go(replace(hf, name="hf_async", max_staleness=args.e2e_staleness))
+        s = go(replace(hf, name="hf_sync", max_staleness=0))
+        results += compare("hf", a, s, target=None, efficiency_target=None)
+    if "scaling" in parts:
+        results += scaling(args, base, async_sim, go)
+    for o in outcomes:
+        results += per_run(o)
+    details = {"workload": asdict(workload), "runs": [_details(o) for o in outcomes]}
+    for tag in ("sim", "hf"):
+        s = next((o for o in outcomes if o.spec.name == f"{tag}_sync"), None)
+        if s is not None:
+            sp, ls, ws = ideal(s)
+            details[f"ideal_{tag}"] = {"speedup": sp, "lockstep_makespan_s": ls, "work_conserving_makespan_s": ws}
+    (root / "e2e_runs.json").write_text(json.dumps(details, indent=1))
+    print(f"   details: {root / 'e2e_runs.json'}", file=sys.stderr, flush=True)
+    return results
+
+
+def scaling(args, base: RunSpec, reuse: Outcome | None, go) -> list[Result]:
+    """Groups/s with n actors (one lease each, async, fixed batch) against 1 actor."""
+    counts = sorted({int(c) for c in args.e2e_scaling.split(",") if c.strip()})
+    if not counts:
+        return []
+    top = max(counts)
+    per_n: dict[int, Outcome] = {}
+    for n in counts:
+        spec = replace(base, name=f"scale_{n}", actors=n, max_groups=1, max_staleness=args.e2e_staleness,
+                       groups_per_step=args.e2e_scaling_groups_per_step,
+                       steps=max(3, math.ceil(args.e2e_scaling_steps * n / top)))
+        if reuse is not None and replace(reuse.spec, name=spec.name, steps=spec.steps) == spec:
+            per_n[n] = reuse  # the async comparison run is this scaling point
+            continue
+        per_n[n] = go(spec)
+    one = per_n[counts[0]]
+    out = [result(f"scaling_sim_{n}actors", o.stats.groups_per_s, "groups/s", f"{counts[0]} actor(s)", one.stats.groups_per_s)
+           for n, o in per_n.items()]
+    busy = per_n[top].stats.learner_busy
+    out.append(result(f"learner_busy_{top}actors", busy, "fraction", "always busy (1.0)", 1.0, target=2.0, lower_is_better=True))
+    return out
