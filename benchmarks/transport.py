@@ -90,8 +90,11 @@ def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: 
     def size(g) -> int:
         return sum(len(memoryview(f).cast("B")) for f in codec.encode(g))
 
-    overhead = size(build(1))
-    tokens = max(1, (target_bytes - overhead) // (13 * n_episodes))
+    # the encoded size is affine in the tokens per episode: fit it on two points
+    t1, t2 = 4 * turns, 4 * turns + 1000
+    s1, s2 = size(build(t1)), size(build(t2))
+    per_token = (s2 - s1) / (t2 - t1)
+    tokens = max(t1, int(t1 + (target_bytes - s1) / per_token))
     group = build(tokens)
     return group, size(group)
 
