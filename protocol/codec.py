@@ -10,8 +10,13 @@ the received buffer, so a 64 MB array is never copied on either side).
 Decoding checks, in order: total size, msgpack validity, envelope, schema version,
 type name, then every field against the record's annotations (exact dtype, ndim,
 element count against the frame size, no unknown or missing fields), then the record's
-own ``check()``.  Anything wrong raises ``ProtocolError`` naming the field path; no
-other exception escapes ``decode``.  No pickle anywhere.
+own ``check()``.  Anything wrong raises ``ProtocolError`` naming the field path (values
+quoted in messages are cut to a few dozen characters); no other exception escapes
+``decode``.  No pickle anywhere.
+
+Decoded arrays are views of the received frames (writable over a ``zmq.Frame``,
+read-only over ``bytes``; over the sender's own arrays when frames are decoded
+in-process), never copies: copy one before changing it.  A view keeps its frame alive.
 """
 
 from __future__ import annotations
@@ -145,10 +150,18 @@ def _field_names(cls: type) -> tuple[str, ...] | None:
 
 
 def _buffer(frame: Any) -> memoryview:
+    """A flat byte view of one frame (``bytes``, ``memoryview``, ``zmq.Frame``), no copy."""
     buf = getattr(frame, "buffer", None)  # zmq.Frame
-    if buf is not None:
-        return buf if isinstance(buf, memoryview) else memoryview(buf)
-    return memoryview(frame)
+    mv = memoryview(frame if buf is None else buf)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")  # e.g. a memoryview of a float32 array: count bytes, not items
+    return mv
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr`` bounded in length: error messages are logged and sent back to peers."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: type | tuple[type, ...] | None = None) -> Any:
@@ -231,10 +244,10 @@ def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
     if not isinstance(env, dict) or set(env) != {"v", "t", "b"}:
         raise ProtocolError("envelope must be a map with exactly keys v, t, b")
     if type(env["v"]) is not int or env["v"] != SCHEMA_VERSION:
-        raise ProtocolError(f"schema version {env['v']!r} != {SCHEMA_VERSION}; upgrade the older side")
+        raise ProtocolError(f"schema version {_short(env['v'])} != {SCHEMA_VERSION}; upgrade the older side")
     cls = REGISTRY.get(env["t"]) if isinstance(env["t"], str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {env['t']!r}")
+        raise ProtocolError(f"unknown message type {_short(env['t'])}")
     if expect is not None and not issubclass(cls, expect):
         raise ProtocolError(f"got {cls.__name__}, expected {_names(expect)}")
     ctx = _Ctx(bufs, limits)
@@ -248,16 +261,16 @@ def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
 def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
     """Validate an array ext and view its bytes without copying."""
     if not isinstance(ref.dtype, str) or not isinstance(ref.shape, list):
-        raise _Bad(f"array ext must be [dtype: str, shape: list, data]")
+        raise _Bad("array ext must be [dtype: str, shape: list, data]")
     try:
         dtype = np.dtype(ref.dtype)
     except (TypeError, ValueError, SyntaxError):
-        raise _Bad(f"unknown dtype {ref.dtype!r}") from None
+        raise _Bad(f"unknown dtype {_short(ref.dtype)}") from None
     if dtype not in _ALLOWED_DTYPES:
         raise _Bad(f"dtype {ref.dtype!r} is not allowed on the wire")
     shape = ref.shape
     if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
-        raise _Bad(f"bad array shape {shape!r}")
+        raise _Bad(f"bad array shape {_short(shape)}")
     count = 1
     for d in shape:
         count *= d
@@ -267,11 +280,11 @@ def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
     if ref.code == ARRAY_INLINE:
         raw = ref.data
         if not isinstance(raw, bytes):
-            raise _Bad(f"inline array data must be bytes")
+            raise _Bad("inline array data must be bytes")
     else:
         idx = ref.data
         if type(idx) is not int or not 1 <= idx < len(ctx.bufs):
-            raise _Bad(f"array refers to frame {idx!r}, which is missing")
+            raise _Bad(f"array refers to frame {_short(idx)}, which is missing")
         if idx in ctx.used:
             raise _Bad(f"array refers to frame {idx}, which another array already used")
         ctx.used.add(idx)
@@ -332,7 +345,7 @@ def _record_converter(cls: type) -> Converter:
     call their converter.  Semantics are exactly those of ``_converter``: the generated
     code only saves the per-field calls and loops (a group holds hundreds of records)."""
     hints = typing.get_type_hints(cls)
-    names = {"cls": cls, "_Bad": _Bad, "_kind": _kind, "check": getattr(cls, "check", None), "ProtocolError": ProtocolError}
+    names = {"cls": cls, "_Bad": _Bad, "_kind": _kind, "_short": _short, "check": getattr(cls, "check", None), "ProtocolError": ProtocolError}
     known = frozenset(f.name for f in dataclasses.fields(cls))
     names["known"] = known
     body = [
@@ -340,7 +353,7 @@ def _record_converter(cls: type) -> Converter:
         "    if type(body) is not dict:",
         "        raise _Bad(f'expected a map, got {_kind(body)}')",
         "    if not known.issuperset(body):",
-        "        raise _Bad(f'unknown field(s) {[k for k in body if k not in known]!r}')",
+        "        raise _Bad(f'unknown field(s) {_short([k for k in body if k not in known])}')",
     ]
     args = []
     for i, f in enumerate(dataclasses.fields(cls)):
@@ -371,7 +384,7 @@ def _record_converter(cls: type) -> Converter:
         else:
             meta = f.metadata
             names[f"c{i}"] = _converter(tp, meta.get("dtype"), meta.get("ndim"))
-            call = [f"    try:", f"        {v} = c{i}({v}, ctx)", "    except _Bad as bad:", f"        raise bad.at({seg!r}) from None"]
+            call = ["    try:", f"        {v} = c{i}({v}, ctx)", "    except _Bad as bad:", f"        raise bad.at({seg!r}) from None"]
             if optional:
                 call = [f"    if {v} is not d{i}:"] + ["    " + line for line in call]
             body += call
@@ -473,7 +486,7 @@ def _converter(tp: Any, dtype: Any = None, ndim: Any = None) -> Converter:
                 try:
                     out[kk] = val(v, ctx)
                 except _Bad as bad:
-                    raise bad.at(f"[{k!r}]") from None
+                    raise bad.at(f"[{_short(k, 40)}]") from None
             return out
 
         return conv_dict
