@@ -12,8 +12,11 @@ ratio isolates what the codec and the trio helpers cost.
 
 Groups are GRPO-shaped: 8 episodes, each with ``[T]`` token ids / loss mask / log-probs /
 versions and a ``Turn`` record per turn; ``T`` is chosen so the encoded group is about the
-requested size.  Figures: ``transport_<size>_mb_s`` (MB/s, target ratio 0.8 at 4 MB) and
-``transport_<size>_groups_s`` (groups/s, reported).
+requested size.  Figures: ``transport_<size>_mb_s`` (MB/s, target ratio 0.8 at 4 MB),
+``transport_<size>_groups_s`` (groups/s, reported) and, with a receiver process,
+``transport_<size>_cpu_us`` (CPU time per group of sender + receiver, all threads; ratio
+raw / system, reported): on a shared machine the wall-clock figures move with other
+processes' load, the CPU figure much less.
 """
 
 from __future__ import annotations
@@ -118,15 +121,21 @@ def serve_system(endpoint_file: str | None, ready: Any = None) -> None:
         _announce(port, endpoint_file, ready)
         sock = AsyncSocket(router)
         limits = codec.Limits()
+        n, cpu0 = 0, None
         with trio.move_on_after(ENV_MAX_LIFETIME_S):
             while True:
                 frames = await sock.recv_multipart(copy=False)
                 prefix, body = split_router_frames(frames)
+                timed = prefix[1] not in (b"w", b"s")  # not warm-up, not stop
+                if timed and cpu0 is None:
+                    cpu0 = _cpu_s()
                 msg = codec.decode(body, limits)
                 if isinstance(msg, m.Shutdown):
-                    await sock.send_msg(m.GroupAck(lease_id="", accepted=True), prefix=prefix)
+                    cpu = _cpu_s() - cpu0 if cpu0 is not None else 0.0
+                    await sock.send_msg(m.GroupAck(lease_id="", accepted=True, reason=f"{cpu} {n}"), prefix=prefix)
                     break
                 await sock.send_msg(m.GroupAck(lease_id=msg.lease_id, accepted=True), prefix=prefix)
+                n += timed
         sock.close()
         ctx.term()
 
@@ -143,15 +152,32 @@ def serve_raw(endpoint_file: str | None, ready: Any = None) -> None:
     port = router.bind_to_random_port("tcp://127.0.0.1")
     _announce(port, endpoint_file, ready)
     deadline = time.monotonic() + ENV_MAX_LIFETIME_S
+    n, cpu0 = 0, None
     while time.monotonic() < deadline:
         if not router.poll(1000):
             continue
-        ident, payload = router.recv_multipart(copy=False)
-        router.send_multipart([ident, b"k"])
-        if len(payload) == 0:
+        ident, *parts = router.recv_multipart(copy=False)
+        if len(parts) == 2:  # [b"w", payload]: warm-up, untimed
+            router.send_multipart([ident, b"k"])
+            continue
+        if len(parts[0]) == 0:  # stop: answer with the CPU seconds spent on timed messages
+            cpu = _cpu_s() - cpu0 if cpu0 is not None else 0.0
+            router.send_multipart([ident, f"{cpu} {n}".encode()])
             break
+        if cpu0 is None:
+            cpu0 = _cpu_s()
+        router.send_multipart([ident, b"k"])
+        n += 1
     router.close(0)
     ctx.term()
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, all threads (ZeroMQ's I/O thread included)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _announce(port: int, endpoint_file: str | None, ready: Any) -> None:
@@ -209,7 +235,7 @@ class _Receiver:
 # ----------------------------------------------------------------------------- senders
 
 
-def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int, float]:
+def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int, float, float, float]:
     """Actor-shaped sender: trio DEALER, encode per group, decode each GroupAck."""
     import trio
     import zmq
@@ -218,7 +244,7 @@ def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int
     from protocol import messages as m
     from protocol.transport import AsyncSocket, SocketLimits, configure
 
-    async def main() -> tuple[int, float]:
+    async def main() -> tuple[int, float, float, float]:
         ctx = zmq.Context()
         dealer = configure(ctx.socket(zmq.DEALER), SocketLimits())
         dealer.connect(f"tcp://127.0.0.1:{port}")
@@ -233,7 +259,7 @@ def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int
         for _ in range(window):  # warm-up: connection, allocator, caches
             await sock.send_multipart([b"w", *codec.encode(group)])
             await ack()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_s()
         deadline = t0 + seconds
         while time.perf_counter() < deadline:
             if outstanding == window:
@@ -245,17 +271,18 @@ def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int
         while outstanding:
             await ack()
             outstanding -= 1
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
         await sock.send_multipart([b"s", *codec.encode(m.Shutdown(reason="bench done"))])
-        await ack()
+        frames = await sock.recv_multipart(copy=False)
+        rx_cpu, rx_n = codec.decode(frames[1:], expect=m.GroupAck).reason.split()
         sock.close()
         ctx.term()
-        return sent, elapsed
+        return sent, elapsed, cpu, float(rx_cpu) * sent / max(1, int(rx_n))
 
     return trio.run(main)
 
 
-def send_raw(port: int, nbytes: int, seconds: float, window: int) -> tuple[int, float]:
+def send_raw(port: int, nbytes: int, seconds: float, window: int) -> tuple[int, float, float, float]:
     """Baseline sender: blocking pyzmq DEALER, one frame of ``nbytes`` with ``copy=False``."""
     import zmq
 
@@ -265,10 +292,10 @@ def send_raw(port: int, nbytes: int, seconds: float, window: int) -> tuple[int, 
     dealer.connect(f"tcp://127.0.0.1:{port}")
     payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     for _ in range(window):
-        dealer.send(payload, copy=False)
+        dealer.send_multipart([b"w", payload], copy=False)
         dealer.recv(copy=False)
     outstanding = sent = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     deadline = t0 + seconds
     while time.perf_counter() < deadline:
         if outstanding == window:
@@ -280,28 +307,33 @@ def send_raw(port: int, nbytes: int, seconds: float, window: int) -> tuple[int, 
     while outstanding:
         dealer.recv(copy=False)
         outstanding -= 1
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     dealer.send(b"")
-    dealer.recv()
+    rx_cpu, rx_n = dealer.recv().split()
     dealer.close(0)
     ctx.term()
-    return sent, elapsed
+    return sent, elapsed, cpu, float(rx_cpu) * sent / max(1, int(rx_n))
 
 
 # ----------------------------------------------------------------------------- run
 
 
-def measure(kind: str, where: str, group: Any, nbytes: int, seconds: float, window: int) -> tuple[float, float]:
-    """(MB/s, messages/s) of one configuration."""
+def measure(kind: str, where: str, group: Any, nbytes: int, seconds: float, window: int) -> tuple[float, float, float]:
+    """(MB/s, messages/s, CPU microseconds per message on both sides) of one configuration.
+
+    The CPU figure counts every thread of the sender and the receiver process (ZeroMQ's
+    I/O threads included), so it holds still while the shared machine's load moves the
+    wall-clock figures; with a receiver thread it is not separable and is reported as 0."""
     rx = _Receiver(kind, where)
     try:
         if kind == "system":
-            n, elapsed = send_system(rx.port, group, seconds, window)
+            n, elapsed, tx_cpu, rx_cpu = send_system(rx.port, group, seconds, window)
         else:
-            n, elapsed = send_raw(rx.port, nbytes, seconds, window)
+            n, elapsed, tx_cpu, rx_cpu = send_raw(rx.port, nbytes, seconds, window)
     finally:
         rx.close()
-    return n * nbytes / elapsed / 1e6, n / elapsed
+    cpu_us = (tx_cpu + rx_cpu) / max(1, n) * 1e6 if where == "process" else 0.0
+    return n * nbytes / elapsed / 1e6, n / elapsed, cpu_us
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -315,14 +347,18 @@ def run(args: argparse.Namespace) -> list[Result]:
     for label in sizes:
         group, nbytes = make_group(_parse_size(label))
         for where in wheres:
-            sys_best = raw_best = (0.0, 0.0)
+            sys_runs, raw_runs = [], []
             for _ in range(repeats):  # alternate, so drift on a shared machine hits both
-                sys_best = max(sys_best, measure("system", where, group, nbytes, seconds / repeats, window))
-                raw_best = max(raw_best, measure("raw", where, group, nbytes, seconds / repeats, window))
+                sys_runs.append(measure("system", where, group, nbytes, seconds / repeats, window))
+                raw_runs.append(measure("raw", where, group, nbytes, seconds / repeats, window))
+            sys_best, raw_best = max(sys_runs), max(raw_runs)
             suffix = "" if where == "process" else "_thread"
             base = f"raw zmq bytes ({nbytes / 1e6:.3f} MB, copy=False, receiver {where})"
             results.append(result(f"transport_{label}_mb_s{suffix}", sys_best[0], "MB/s", base, raw_best[0], target=TARGETS.get(label)))
             results.append(result(f"transport_{label}_groups_s{suffix}", sys_best[1], "groups/s", base, raw_best[1]))
+            if where == "process":
+                sys_cpu, raw_cpu = min(r[2] for r in sys_runs), min(r[2] for r in raw_runs)
+                results.append(result(f"transport_{label}_cpu_us", sys_cpu, "CPU us/group (both sides)", base, raw_cpu, lower_is_better=True))
     return results
 
 

@@ -43,6 +43,9 @@ _ALLOWED_DTYPES = frozenset(
     np.dtype(d) for d in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "float16", "float32", "float64", "bool")
 )
 
+_WIRE_DTYPES = {d.str: d for d in _ALLOWED_DTYPES}
+"""What the encoder writes (``arr.dtype.str``, e.g. ``<i4``) -> dtype, to skip parsing."""
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -262,12 +265,15 @@ def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
     """Validate an array ext and view its bytes without copying."""
     if not isinstance(ref.dtype, str) or not isinstance(ref.shape, list):
         raise _Bad("array ext must be [dtype: str, shape: list, data]")
-    try:
-        dtype = np.dtype(ref.dtype)
-    except (TypeError, ValueError, SyntaxError):
-        raise _Bad(f"unknown dtype {_short(ref.dtype)}") from None
-    if dtype not in _ALLOWED_DTYPES:
-        raise _Bad(f"dtype {ref.dtype!r} is not allowed on the wire")
+    dtype = _WIRE_DTYPES.get(ref.dtype)
+    if dtype is None:
+        try:
+            parsed = np.dtype(ref.dtype)
+        except (TypeError, ValueError, SyntaxError):
+            raise _Bad(f"unknown dtype {_short(ref.dtype)}") from None
+        if parsed not in _ALLOWED_DTYPES:
+            raise _Bad(f"dtype {_short(ref.dtype)} is not allowed on the wire")
+        dtype = parsed
     shape = ref.shape
     if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
         raise _Bad(f"bad array shape {_short(shape)}")
@@ -291,7 +297,8 @@ def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
         raw = ctx.bufs[idx]
     if len(raw) != nbytes:
         raise _Bad(f"array data is {len(raw)} bytes, shape {shape} of {dtype.name} needs {nbytes}")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    arr = np.frombuffer(raw, dtype=dtype)
+    return arr if len(shape) == 1 else arr.reshape(shape)
 
 
 def _names(expect: Any) -> str:

@@ -26,11 +26,13 @@ def test_bench_transport_writes_results_json_and_chart(tmp_path):
     doc = json.loads(out_json.read_text())
     assert {"platform", "python", "cpus"} <= set(doc["machine"])
     names = [r["name"] for r in doc["results"]]
-    assert names == ["transport_64KB_mb_s", "transport_64KB_groups_s", "transport_1MB_mb_s", "transport_1MB_groups_s"]
+    assert names == [f"transport_{s}_{f}" for s in ("64KB", "1MB") for f in ("mb_s", "groups_s", "cpu_us")]
     for r in doc["results"]:
         assert set(r) == KEYS
         assert r["value"] > 0 and r["baseline_value"] > 0
-        assert r["ratio"] == pytest.approx(r["value"] / r["baseline_value"])
+        lower_is_better = r["name"].endswith("_cpu_us")  # ratio oriented so that higher is better
+        expected = r["baseline_value"] / r["value"] if lower_is_better else r["value"] / r["baseline_value"]
+        assert r["ratio"] == pytest.approx(expected)
     assert (plots / "ratios.png").stat().st_size > 0
     assert "transport_1MB_mb_s" in proc.stdout
 
