@@ -140,12 +140,24 @@ def test_many_tasks_send_and_receive_on_one_socket_with_small_queues(ctx):
                 assert len(frames) == 2 and frames[1].bytes == b"x" * 100
                 got.append(int.from_bytes(frames[0].bytes, "little"))
 
+        most_parked = 0
+
+        async def watch():
+            nonlocal most_parked
+            while True:
+                most_parked = max(most_parked, len(d._lot))
+                await trio.sleep(0)
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(echo)
-            for k in range(tasks):
-                nursery.start_soon(sender, k)
-                nursery.start_soon(receiver)
+            nursery.start_soon(watch)
+            async with trio.open_nursery() as workers:
+                workers.start_soon(echo)
+                for k in range(tasks):
+                    workers.start_soon(sender, k)
+                    workers.start_soon(receiver)
+            nursery.cancel_scope.cancel()
         assert sorted(got) == list(range(tasks * per_task))
+        assert most_parked > 1  # the test did make tasks park behind the FD waiter
         r.close()
         d.close()
 
