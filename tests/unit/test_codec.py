@@ -355,3 +355,18 @@ def test_no_pickle_in_the_codec():
     for mod in (c, t, m):
         src = inspect.getsource(mod)
         assert "import pickle" not in src and "recv_pyobj" not in src and "send_pyobj" not in src
+
+
+def test_error_messages_quote_values_briefly():
+    huge = "x" * 100_000
+    for frames in ([env(huge, {})], [env("Shutdown", {"reason": "r"}, v=huge)], [env("Shutdown", {huge: 1})]):
+        with pytest.raises(ProtocolError) as info:
+            codec.decode(frames)
+        assert len(str(info.value)) < 300
+
+
+def test_frames_given_as_typed_memoryviews_are_counted_in_bytes():
+    f32 = np.arange(10, dtype=np.float32)
+    header = codec.encode(m.WeightChunk(version=1, index=0, checksum=0, data=f32.view(np.uint8)), out_of_band_bytes=0)[0]
+    got = codec.decode([header, memoryview(f32)])
+    assert np.array_equal(got.data, f32.view(np.uint8)) and np.shares_memory(got.data, f32)

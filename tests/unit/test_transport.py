@@ -140,12 +140,24 @@ def test_many_tasks_send_and_receive_on_one_socket_with_small_queues(ctx):
                 assert len(frames) == 2 and frames[1].bytes == b"x" * 100
                 got.append(int.from_bytes(frames[0].bytes, "little"))
 
+        most_parked = 0
+
+        async def watch():
+            nonlocal most_parked
+            while True:
+                most_parked = max(most_parked, len(d._lot))
+                await trio.sleep(0)
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(echo)
-            for k in range(tasks):
-                nursery.start_soon(sender, k)
-                nursery.start_soon(receiver)
+            nursery.start_soon(watch)
+            async with trio.open_nursery() as workers:
+                workers.start_soon(echo)
+                for k in range(tasks):
+                    workers.start_soon(sender, k)
+                    workers.start_soon(receiver)
+            nursery.cancel_scope.cancel()
         assert sorted(got) == list(range(tasks * per_task))
+        assert most_parked > 1  # the test did make tasks park behind the FD waiter
         r.close()
         d.close()
 
@@ -250,32 +262,33 @@ def test_receives_cancelled_at_random_moments_lose_no_message(ctx):
 
 
 def test_a_cancelled_send_sends_nothing_and_never_half_a_message(ctx):
-    """PUSH with nobody connected and HWM 1: sends block; cancelling them must leave only
-    whole messages, and none of the cancelled ones, for the peer that connects later."""
+    """A PULL peer that does not read yet and HWMs of 1: sends succeed until the queues and
+    kernel buffers fill, then block and are cancelled.  The peer must later receive exactly
+    the messages whose send returned, each whole, in order."""
     push = configure(ctx.socket(zmq.PUSH), SocketLimits(sndhwm=1, rcvhwm=1))
-    port = free_port()
-    push.bind(tcp_endpoint("127.0.0.1", port))
+    port = push.bind_to_random_port("tcp://127.0.0.1")
+    pull = configure(ctx.socket(zmq.PULL), SocketLimits(sndhwm=1, rcvhwm=1))
+    pull.connect(tcp_endpoint("127.0.0.1", port))
+    middle = b"b" * 256_000  # above pyzmq's copy threshold: the zero-copy path
 
     async def main():
-        sp = AsyncSocket(push)
+        sp, sl = AsyncSocket(push), AsyncSocket(pull)
+        await trio.sleep(0.2)  # connected
         with trio.CancelScope() as cs:
             cs.cancel()
             await sp.send_multipart([b"never", b"sent"])
         assert cs.cancelled_caught
         sent = []
-        for i in range(10):
+        for i in range(60):
             with trio.move_on_after(0.05):
-                await sp.send_multipart([b"a%d" % i, b"b" * 70_000, b"c%d" % i])  # big middle frame: zero-copy path
+                await sp.send_multipart([b"a%d" % i, middle, b"c%d" % i])
                 sent.append(i)
-        assert len(sent) < 10  # some sends were blocked and cancelled
-        pull = configure(ctx.socket(zmq.PULL))
-        pull.connect(tcp_endpoint("127.0.0.1", port))
-        sl = AsyncSocket(pull)
+        assert 0 < len(sent) < 60, len(sent)  # some went through, later ones blocked and were cancelled
         got = []
         while True:
             with trio.move_on_after(0.5):
                 frames = await sl.recv_multipart()
-                assert len(frames) == 3 and frames[1].bytes == b"b" * 70_000
+                assert len(frames) == 3 and frames[1].bytes == middle
                 assert frames[0].bytes[1:] == frames[2].bytes[1:]
                 got.append(int(frames[0].bytes[1:]))
                 continue

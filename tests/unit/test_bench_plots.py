@@ -1,0 +1,27 @@
+"""``benchmarks.plots.plot_results`` writes a real PNG chart of ratios vs targets."""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.common import result
+from benchmarks.plots import plot_results
+
+
+def test_plot_results_writes_a_png_with_every_figure(tmp_path):
+    results = [
+        result("transport_4MB_mb_s", 900.0, "MB/s", "raw zmq", 1000.0, target=0.8),
+        result("transport_64KB_mb_s", 100.0, "MB/s", "raw zmq", 400.0),
+        result("weights_s", 2.0, "s", "memcpy", 1.0, target=0.5, lower_is_better=True),
+        result("broken", 1.0, "x", "zero", 0.0),  # ratio inf must not break the chart
+    ]
+    out = tmp_path / "plots"
+    paths = plot_results(results, str(out))
+    assert paths == [str(out / "ratios.png")]
+    data = open(paths[0], "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_results_handles_no_results(tmp_path):
+    (path,) = plot_results([], str(tmp_path))
+    assert os.path.getsize(path) > 0
