@@ -245,4 +245,5 @@ class InstanceTable:
             "errors": dict(self.errors),
             "latency": {k: v.summary() for k, v in self.latency.items()},
             "uptime_s": round(time.time() - self.started, 3),
+            "cpu_s": round(time.process_time(), 4),
         }

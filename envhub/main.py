@@ -66,8 +66,12 @@ def serve(env_cfg) -> int:
     from envhub.registry import make_family
     from envhub.server import create_app
 
+    # Env calls run in ``env.options.server_threads`` worker threads (default 8);
+    # ``env.options.switch_interval_s`` sets the GIL switch interval (Python's default 5 ms).
+    if "switch_interval_s" in env_cfg.options:
+        sys.setswitchinterval(float(env_cfg.options["switch_interval_s"]))
     family = make_family(env_cfg)
-    app = create_app(family, env_cfg)
+    app = create_app(family, env_cfg, threads=int(env_cfg.options.get("server_threads", 8)))
     config = uvicorn.Config(app, host=env_cfg.host, port=env_cfg.port, log_level="warning", access_log=False, timeout_keep_alive=75, lifespan="on")
     server = _Server(config)
     logging.getLogger("envhub").info("serving %s on http://%s:%d", env_cfg.name, env_cfg.host, env_cfg.port)
