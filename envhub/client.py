@@ -179,6 +179,13 @@ class EnvClient:
             raise EnvHTTPError(200, "bad_reply", f"/observation answered {str(raw)[:200]!r}")
         return raw
 
+    async def expert_action(self, env_id: int) -> str:
+        """The env's expert next action (envhub servers whose env has one; else EnvHTTPError 501)."""
+        raw = await self._call("GET", f"/expert?id={int(env_id)}", None, idempotent=False)
+        if not isinstance(raw, dict) or not isinstance(raw.get("action"), str):
+            raise EnvHTTPError(200, "bad_reply", f"/expert answered {str(raw)[:200]!r}")
+        return raw["action"]
+
     async def close(self, env_id: int) -> None:
         key = "env_idx" if self.flavor in ("agentgym_searchqa", "agentgym_webarena") else "id"
         await self._call("POST", "/close", {key: env_id}, idempotent=True)

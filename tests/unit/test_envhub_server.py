@@ -108,3 +108,25 @@ def test_unknown_route_and_method_are_json_errors(client):
 
 def test_host_and_port_shorthands_become_env_keys():
     assert rewrite_overrides(["env=babyai", "host=0.0.0.0", "port=9000", "env.max_instances=3"]) == ["env=babyai", "++env.host=0.0.0.0", "++env.port=9000", "env.max_instances=3"]
+
+
+def test_env_without_expert_answers_501(client):
+    i = client.post("/create").json()["id"]
+    client.post("/reset", json={"id": i, "data_idx": 0})
+    r = client.get(f"/expert?id={i}")
+    assert r.status_code == 501 and r.json()["error"]["code"] == "no_expert"
+
+
+def test_server_step_cap_truncates_episode():
+    class Capped(Cfg):
+        max_env_steps = 2
+
+    with TestClient(create_app(FakeFamily(), Capped()), raise_server_exceptions=False) as c:
+        i = c.post("/create").json()["id"]
+        c.post("/reset", json={"id": i, "data_idx": 0})
+        assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
+        r = c.post("/step", json={"id": i, "action": "a"}).json()
+        assert r["done"] is True and r["truncated"] is True and r["info"]["success"] is False
+        assert c.post("/step", json={"id": i, "action": "a"}).status_code == 409
+        c.post("/reset", json={"id": i, "data_idx": 1})  # a new episode gets a fresh budget
+        assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
