@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -96,6 +97,18 @@ LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE, DONE = 0, 1, 2, 3, 4, 5, 6
 PICKABLE = ("key", "ball", "box")
 DESCRIBED = ("door", "key", "ball", "box", "goal", "lava")
 CHECK = "check available actions"
+
+
+_STDOUT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Swallow what minigrid prints (level generation retries).  ``sys.stdout`` is process
+    global, so swaps are serialised: unlocked, two threads' nested swaps can leave stdout
+    pointing at a dead buffer.  (The envhub server also sends fd 1 to stderr.)"""
+    with _STDOUT_LOCK, contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 def task_for(data_idx: int) -> tuple[str, int]:
@@ -368,7 +381,7 @@ class BabyAIEnv:
         self.level, self.seed = task_for(data_idx)
         self._oracle, self.on_primitive = None, None
         self.env = self._make(self.level)
-        with contextlib.redirect_stdout(io.StringIO()):  # some levels print while generating
+        with quiet_stdout():  # some levels print while generating
             self.env.reset(seed=self.seed)
         self.mission = self.unwrapped.mission
         self.ret, self.done = 0.0, False

@@ -26,13 +26,11 @@ e.g. OpenDoorsOrderN4Debug seed 0 fails for every agent.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import re
 from dataclasses import dataclass
 
-from envhub.babyai import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, BabyAIEnv
+from envhub.babyai import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, BabyAIEnv, quiet_stdout
 
 _VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid DIR_TO_VEC
 MOVES = (LEFT, RIGHT, FORWARD)
@@ -71,7 +69,7 @@ class BabyAIOracle:
 
     def _replan(self, bot, action):
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with quiet_stdout():
                 return int(bot.replan(action))
         except Exception as exc:  # the bot gives up (e.g. DisappearedBoxError)
             if bot is self.bot:  # a copy failing only rules out that plan

@@ -130,3 +130,25 @@ def test_server_step_cap_truncates_episode():
         assert c.post("/step", json={"id": i, "action": "a"}).status_code == 409
         c.post("/reset", json={"id": i, "data_idx": 1})  # a new episode gets a fresh budget
         assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
+
+
+def test_concurrent_creates_respect_the_instance_limit():
+    import asyncio
+    import time
+
+    from envhub.instances import ApiError, InstanceTable
+
+    class SlowFamily(FakeFamily):
+        def create(self):
+            time.sleep(0.05)
+            return FakeEnv()
+
+    async def main():
+        table = InstanceTable(SlowFamily(), max_instances=3, idle_timeout_s=60)
+        results = await asyncio.gather(*(table.create() for _ in range(8)), return_exceptions=True)
+        ok = [r for r in results if isinstance(r, int)]
+        refused = [r for r in results if isinstance(r, ApiError)]
+        assert len(ok) == 3 and len(refused) == 5 and all(r.status == 429 for r in refused)
+        await table.close_all()
+
+    asyncio.run(main())
