@@ -107,7 +107,16 @@ def test_unknown_route_and_method_are_json_errors(client):
 
 
 def test_host_and_port_shorthands_become_env_keys():
-    assert rewrite_overrides(["env=babyai", "host=0.0.0.0", "port=9000", "env.max_instances=3"]) == ["env=babyai", "++env.host=0.0.0.0", "++env.port=9000", "env.max_instances=3"]
+    assert rewrite_overrides(["env=babyai", "host=0.0.0.0", "port=9000", "env.max_instances=3", "++env.url=x", "algo=ppo"]) == ["env=babyai", "++env.host=0.0.0.0", "++env.port=9000", "++env.max_instances=3", "++env.url=x", "algo=ppo"]
+
+
+def test_misspelled_env_key_is_still_refused():
+    import conf
+
+    cfg = conf.load(rewrite_overrides(["env=babyai", "port=9001", "env.max_instances=7"]))
+    assert (cfg.env.port, cfg.env.max_instances, cfg.env.host) == (9001, 7, "127.0.0.1")
+    with pytest.raises(conf.ConfigError, match="max_instancez"):
+        conf.load(rewrite_overrides(["env=babyai", "env.max_instancez=7"]))
 
 
 def test_env_without_expert_answers_501(client):
