@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 SHORTHANDS = {"host": "env.host", "port": "env.port"}
 
 
 def rewrite_overrides(argv: list[str]) -> list[str]:
-    """``host=X`` -> ``env.host=X``, ``port=N`` -> ``env.port=N`` (also with ``+``/``++``)."""
+    """``host=X`` -> ``++env.host=X``, ``port=N`` -> ``++env.port=N`` (``++``: set whether or not
+    the env yaml names the key)."""
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
         bare = key.lstrip("+")
         if sep and bare in SHORTHANDS:
-            arg = f"{SHORTHANDS[bare]}={value}"
+            arg = f"++{SHORTHANDS[bare]}={value}"
         out.append(arg)
     return out
 
@@ -52,13 +54,22 @@ def main(argv: list[str] | None = None) -> int:
 def serve(env_cfg) -> int:
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM after its graceful shutdown (exit -15);
+        an envhub stopped by SIGTERM has shut down cleanly and exits 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals.remove(sig)
+
     from envhub.registry import make_family
     from envhub.server import create_app
 
     family = make_family(env_cfg)
     app = create_app(family, env_cfg)
     config = uvicorn.Config(app, host=env_cfg.host, port=env_cfg.port, log_level="warning", access_log=False, timeout_keep_alive=75, lifespan="on")
-    server = uvicorn.Server(config)
+    server = _Server(config)
     logging.getLogger("envhub").info("serving %s on http://%s:%d", env_cfg.name, env_cfg.host, env_cfg.port)
     server.run()
     return 0 if server.started else 1
