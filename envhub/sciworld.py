@@ -176,6 +176,23 @@ def list_games(jvm: Any) -> list[Game]:
     return games
 
 
+def spread_split(games: list[Game], n_test: int = 200) -> tuple[list[int], list[int]]:
+    """(train ids, test ids): ``n_test`` test ids spread over every task type (the first
+    ``n_test % types`` types get one more), evenly spaced over each type's variations; the rest
+    train.  Pure and deterministic.  Contiguous ranges are *not* such a split: ids are grouped
+    by task type, so ``2000:2200`` covers one or two task types.
+    """
+    by_type: dict[str, list[int]] = {}
+    for i, g in enumerate(games):
+        by_type.setdefault(g.task_id, []).append(i)
+    test: list[int] = []
+    for k, ids in enumerate(by_type.values()):
+        n = min(len(ids), n_test // len(by_type) + (1 if k < n_test % len(by_type) else 0))
+        test += [ids[(j * len(ids)) // n] for j in range(n)]
+    chosen = set(test)
+    return [i for i in range(len(games)) if i not in chosen], sorted(test)
+
+
 class SciWorldEnv:
     """One ScienceWorld episode at a time on a JVM borrowed from the family's pool."""
 

@@ -395,6 +395,25 @@ _GET = re.compile(r"get ([0-9]+) (.*)", re.DOTALL)
 _COUNT = re.compile(r"([0-9]+) (.*)", re.DOTALL)
 
 
+TEST_PER_DEPTH = {1: 31, 2: 41, 3: 25, 4: 3}
+"""AgentGym's TextCraft test set size per depth (100 ids)."""
+
+
+def depth_split(goals: list[tuple[str, int]], per_depth: dict[int, int] = TEST_PER_DEPTH) -> tuple[list[int], list[int]]:
+    """(train ids, test ids): for each depth, ``per_depth[d]`` test ids evenly spaced over that
+    depth's ids (AgentGym's 31/41/25/3 mix; its own id list is not public), the rest train.
+
+    Pure and deterministic.  The range ``0:100`` is *not* such a split: it is all depth 1.
+    """
+    test: list[int] = []
+    for depth, n in sorted(per_depth.items()):
+        ids = [i for i, (_, d) in enumerate(goals) if d == depth]
+        n = min(n, len(ids))
+        test += [ids[(k * len(ids)) // n] for k in range(n)] if n else []
+    chosen = set(test)
+    return [i for i in range(len(goals)) if i not in chosen], sorted(test)
+
+
 class _Failed(Exception):
     """An action the game rejects; its message is the observation."""
 

