@@ -40,7 +40,7 @@ from torch import nn
 from learner import advantages as adv_mod
 from learner import checkpoint as ckpt
 from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
-from learner.logprobs import token_entropy_BT, token_logprobs_BT
+from learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
 from learner.loss import LossMetrics, PPOLossConfig, ppo_loss, sft_loss, value_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -334,16 +334,11 @@ class Trainer:
         mu = pad_BT([r.mu for r in rows]).to(d)
         return ids, attn, mask, mu
 
-    def _forward(self, rows: Sequence[_Row], ids: torch.Tensor, attn: torch.Tensor, *, grad_entropy: bool):
-        """Forward through the policy: (logprobs_BT, entropy_BT, values_BT | None, bootstrap_B | None)."""
+    def _forward(self, rows: Sequence[_Row], ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, *, grad_entropy: bool):
+        """Forward through the policy: (logprobs_BT, entropy_BT on mask tokens, values_BT | None, bootstrap_B | None)."""
         want_hidden = self.value_head is not None
         out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=want_hidden)
-        logp = token_logprobs_BT(out.logits, ids, self.temperature)
-        if grad_entropy:
-            ent = token_entropy_BT(out.logits, self.temperature)
-        else:
-            with torch.no_grad():
-                ent = token_entropy_BT(out.logits.detach(), self.temperature)
+        logp, ent = logprobs_and_entropy_BT(out.logits, ids, self.temperature, entropy_mask_BT=mask, entropy_grad=grad_entropy)
         values = boot = None
         if want_hidden:
             v_all = self.value_head(out.hidden_states[-1].float()).squeeze(-1)
@@ -357,8 +352,8 @@ class Trainer:
         """The extra no-grad forward: pi_prox (and the critic's values) before the step."""
         for mb in plan:
             sub = [rows[j] for j in mb]
-            ids, attn, _, _ = self._collate(sub)
-            logp, _, values, boot = self._forward(sub, ids, attn, grad_entropy=False)
+            ids, attn, mask, _ = self._collate(sub)
+            logp, _, values, boot = self._forward(sub, ids, attn, mask, grad_entropy=False)
             for b, r in enumerate(sub):
                 n = len(r.ids)
                 r.prox = logp[b, :n].float().cpu().numpy()
@@ -368,7 +363,7 @@ class Trainer:
 
     def _policy_micro_batch(self, rows: list[_Row], num_tokens: float) -> tuple[LossMetrics, float]:
         ids, attn, mask, mu = self._collate(rows)
-        logp, ent, values, boot = self._forward(rows, ids, attn, grad_entropy=self.loss_cfg.entropy_coef != 0)
+        logp, ent, values, boot = self._forward(rows, ids, attn, mask, grad_entropy=self.loss_cfg.entropy_coef != 0)
         if self.prox_forward == "extra":
             prox = pad_BT([r.prox for r in rows]).to(self.device)
         else:

@@ -215,3 +215,19 @@ def test_logprobs_follow_the_shared_convention():
         for t in range(1, 4):
             want[b, t] = torch.log_softmax(logits[b, t - 1] / 0.7, -1)[ids[b, t]]
     torch.testing.assert_close(got, want)
+
+
+def test_fused_logprobs_and_entropy_match_the_reference_functions():
+    from learner.logprobs import logprobs_and_entropy_BT, token_entropy_BT
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 0, 1], [0, 0, 1, 1, 0]])
+    lp, ent = logprobs_and_entropy_BT(logits, ids, 1.3, entropy_mask_BT=mask, entropy_grad=True)
+    torch.testing.assert_close(lp, token_logprobs_BT(logits, ids, 1.3))
+    torch.testing.assert_close(ent, token_entropy_BT(logits, 1.3) * mask)
+    ent.sum().backward()
+    assert logits.grad.abs().sum() > 0
+    _, ent_nograd = logprobs_and_entropy_BT(logits, ids, 1.3, entropy_mask_BT=mask)
+    assert not ent_nograd.requires_grad
