@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import zmq
 
 from actors.weight_sync import ChecksumMismatch, ReceiveBuffer, WeightSyncError, pull_weights, pull_weights_blocking
 from learner.weights import WeightPublisher
-from protocol import codec
+from protocol import checksums, codec
 from protocol.errors import RemoteError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
 from protocol.transport import AsyncSocket, configure, free_port
@@ -31,9 +30,9 @@ def state_dict(seed=0):
     }
 
 
-@pytest.fixture
-def publisher():
-    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.002, dtype="bfloat16")  # ~2 KB chunks: many of them
+@pytest.fixture(params=checksums.ALGOS)
+def publisher(request):
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.002, dtype="bfloat16", checksum_algo=request.param)  # ~2 KB chunks
     yield pub
     pub.close()
 
@@ -41,7 +40,7 @@ def publisher():
 def test_actor_pull_reconstructs_the_exact_tensors(publisher):
     sd = state_dict()
     manifest = publisher.publish(1, sd)
-    assert len(manifest.chunks) > 4 and manifest.checksum_algo == "crc32"
+    assert len(manifest.chunks) > 4 and manifest.checksum_algo == publisher.checksum_algo
     buf = ReceiveBuffer()
     got = pull_weights_blocking(publisher.endpoint, manifest, timeout_s=5, window=3, buffer=buf)
     assert list(got) == list(sd)
@@ -50,7 +49,7 @@ def test_actor_pull_reconstructs_the_exact_tensors(publisher):
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
     stream = buf.buf[: manifest.total_bytes]
     for c in manifest.chunks:
-        assert zlib.crc32(memoryview(stream[c.offset:c.offset + c.nbytes])) == c.checksum
+        assert checksums.checksum(manifest.checksum_algo, stream[c.offset:c.offset + c.nbytes]) == c.checksum
 
 
 def test_trio_pull_reuses_one_buffer_across_versions(publisher):
