@@ -1,4 +1,8 @@
-"""The log-prob convention shared by actors and learner (``protocol.messages.SamplingParams``).
+"""The learner's side of the log-prob convention (``protocol.messages.SamplingParams``).
+
+The convention itself lives in ``turnscale.logprobs`` (shared with the actors' engines:
+``scaled_log_softmax`` = float32 ``log_softmax(logits / temperature)`` over the full
+vocabulary); this module applies it to teacher-forced ``[B, T]`` streams:
 
 ``logprobs_BT[:, t] = log_softmax(logits_BTV[:, t - 1] / temperature)[input_ids_BT[:, t]]``
 over the full vocabulary, in float32, before any top-p/top-k truncation; position 0 has
@@ -14,14 +18,13 @@ from contextlib import nullcontext
 
 import torch
 
+from turnscale.logprobs import scaled_log_softmax
+
 
 def _log_softmax(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    x = logits_BTV.float()
-    if temperature != 1.0:
-        x = x / temperature
-    return torch.log_softmax(x, dim=-1)
+    return scaled_log_softmax(logits_BTV, temperature)
 
 
 def logprobs_and_entropy_BT(

@@ -231,3 +231,34 @@ def test_fused_logprobs_and_entropy_match_the_reference_functions():
     assert logits.grad.abs().sum() > 0
     _, ent_nograd = logprobs_and_entropy_BT(logits, ids, 1.3, entropy_mask_BT=mask)
     assert not ent_nograd.requires_grad
+
+
+def test_learner_logprobs_equal_the_actor_convention():
+    from turnscale.logprobs import token_logprobs
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 6, 13)
+    ids = torch.randint(0, 13, (3, 6))
+    torch.testing.assert_close(token_logprobs_BT(logits, ids, 0.8)[:, 1:], token_logprobs(logits[:, :-1], ids[:, 1:], 0.8),
+                               rtol=0, atol=0)
+
+
+def test_unknown_devices_are_rejected_with_the_choices():
+    from learner.trainer import make_accelerator
+
+    with pytest.raises(ValueError, match="cpu, cuda"):
+        make_accelerator("tpu", "float32")
+
+
+@pytest.mark.gpu
+def test_training_on_cuda_with_bf16_mixed_precision(model_dir):
+    cfg = make_cfg("ppo", kl_coef=0.01)
+    cfg.learner.device = "cuda"
+    cfg.model.dtype = "bfloat16"
+    tr = Trainer(cfg, model_dir)
+    assert tr.device.type == "cuda" and tr.accelerator.mixed_precision == "bf16"
+    for b in batches(2):
+        m = tr.train_step(b)
+    assert tr.step == 2 and np.isfinite(m["loss/policy_loss"]) and np.isfinite(m["loss/value"])
+    sd = tr.state_dict_for_publish("bfloat16")
+    assert all(v.device.type == "cpu" and v.dtype == torch.bfloat16 for v in sd.values())
