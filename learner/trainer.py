@@ -93,7 +93,24 @@ def make_accelerator(device: str, dtype: str):
     mp = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     if mp == "fp16" and kind == "cpu":
         mp = "no"  # CPU autocast has no fp16; train in fp32
+    _reset_accelerate_if_changed(kind == "cpu", mp)
     return Accelerator(cpu=kind == "cpu", mixed_precision=mp)
+
+
+def _reset_accelerate_if_changed(cpu: bool, mp: str) -> None:
+    """accelerate keeps one process-wide state and refuses (or silently ignores) another
+    device / precision.  In a single-process run a Trainer with different settings resets
+    it (earlier Trainers of this process must not be used afterwards); under a
+    multi-process launch the settings come from the launcher and are never reset."""
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        return
+    state = AcceleratorState()
+    if state.num_processes > 1:
+        return
+    if str(state.mixed_precision) != mp or (state.device.type == "cpu") != cpu:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class Trainer:

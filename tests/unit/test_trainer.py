@@ -262,3 +262,17 @@ def test_training_on_cuda_with_bf16_mixed_precision(model_dir):
     assert tr.step == 2 and np.isfinite(m["loss/policy_loss"]) and np.isfinite(m["loss/value"])
     sd = tr.state_dict_for_publish("bfloat16")
     assert all(v.device.type == "cpu" and v.dtype == torch.bfloat16 for v in sd.values())
+
+
+def test_bf16_mixed_precision_on_cpu_trains(model_dir):
+    cfg = make_cfg()
+    cfg.model.dtype = "bfloat16"
+    tr = Trainer(cfg, model_dir)
+    assert tr.accelerator.mixed_precision == "bf16"
+    before = params(tr)
+    m = tr.train_step(batches(1)[0])
+    assert np.isfinite(m["loss/policy_loss"]) and tr.step == 1
+    assert next(iter(tr.hf_model.parameters())).dtype == torch.float32  # fp32 master weights
+    assert any(not torch.equal(before[k], v) for k, v in params(tr).items())
+    fp32 = Trainer(make_cfg(), model_dir)  # back to fp32 in the same process
+    assert fp32.accelerator.mixed_precision == "no"
