@@ -6,8 +6,9 @@ synthetic multi-turn groups.  The baseline is the least one can do per step: the
 batch pre-padded into tensors (outside the timing), forward, float32 log-softmax of the
 sampled tokens, advantage-weighted masked mean, backward, grad-norm clip, AdamW step.
 The learner's step additionally collates, computes advantages, the behaviour weights,
-clipping, metrics and entropy.  Steps alternate between the two so machine noise hits
-both; the figure is the median step.  ``learner_step_extra_prox`` reports the cost of the
+clipping, metrics and entropy.  Steps alternate between the variants, in a rotating
+order, so machine noise hits all; the figure is the fastest step of each (noise on a
+shared machine only ever adds time).  ``learner_step_extra_prox`` reports the cost of the
 optional extra proximal forward (``prox_forward="extra"``).
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -23,9 +23,9 @@ from benchmarks.common import Result, result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--learner-groups", type=int, default=4, help="groups per step (default 4)")
+    parser.add_argument("--learner-groups", type=int, default=2, help="groups per step (default 2)")
     parser.add_argument("--learner-group-size", type=int, default=8, help="episodes per group (default 8)")
-    parser.add_argument("--learner-steps", type=int, default=5, help="timed steps per variant (default 5)")
+    parser.add_argument("--learner-steps", type=int, default=8, help="timed steps per variant (default 8)")
     parser.add_argument("--learner-hidden", type=int, default=128, help="tiny model hidden size (default 128)")
     parser.add_argument("--learner-layers", type=int, default=2, help="tiny model layers (default 2)")
     parser.add_argument("--learner-vocab", type=int, default=2048, help="tiny model vocabulary (default 2048)")
@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> list[Result]:
     from learner.synthetic import build_tiny_model, synthetic_groups
     from learner.trainer import Trainer
 
-    g_n = getattr(args, "learner_groups", 4)
+    g_n = getattr(args, "learner_groups", 2)
     g_size = getattr(args, "learner_group_size", 8)
-    steps = getattr(args, "learner_steps", 5)
+    steps = getattr(args, "learner_steps", 8)
     vocab = getattr(args, "learner_vocab", 2048)
     with tempfile.TemporaryDirectory(prefix="turnscale-bench-learner-") as tmp:
         path = build_tiny_model(os.path.join(tmp, "model"), hidden=getattr(args, "learner_hidden", 128),
@@ -97,13 +97,16 @@ def run(args: argparse.Namespace) -> list[Result]:
         }
         base = _baseline(path, groups, cfg.algo.lr)
         times: dict[str, list[float]] = {"auto": [], "extra": [], "base": []}
+        order = [("base", base), ("auto", variants["auto"]), ("extra", variants["extra"])]
         for i in range(steps + 1):  # step 0 warms up every variant
-            for name, fn in (("base", base), ("auto", variants["auto"]), ("extra", variants["extra"])):
+            for name, fn in order[i % 3:] + order[:i % 3]:
                 t0 = time.perf_counter()
                 fn() if name == "base" else fn(groups)
                 if i:
                     times[name].append(time.perf_counter() - t0)
-    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    if os.environ.get("TURNSCALE_BENCH_DEBUG"):
+        print({k: [round(x, 3) for x in v] for k, v in times.items()})
+    tps = {k: tokens / min(v) for k, v in times.items()}
     desc = f"plain fwd/bwd/AdamW loop, same {int(tokens)} tokens"
     return [
         result("learner_step_tokens_per_s", tps["auto"], "tokens/s", desc, tps["base"], target=0.9),
