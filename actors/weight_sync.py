@@ -23,6 +23,7 @@ Contract:
   into its parameters before the next pull; pass ``copy=True`` to get owned tensors.
 - The buffer (``ReceiveBuffer``; one module-wide default) is allocated once and reused
   across versions: first-touching a fresh buffer every time is ~3x slower (FACTS.md).
+  One pull at a time per buffer.
 """
 
 from __future__ import annotations

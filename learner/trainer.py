@@ -23,6 +23,14 @@ batch gets more than one optimizer update).  Since a step here is exactly one up
 every micro-batch's forward runs on the pre-step weights, so the detached log-probs of
 that same forward ARE ``pi_prox``, bit for bit: ``prox_forward="auto"`` (default) reuses
 them and saves a third of the step's compute.  Both give the same step (tested).
+
+Several ranks (``accelerate launch``): each rank calls ``train_step`` with its share of
+the groups; the loss normaliser is the all-reduced loss-token count, gradients are
+synchronised on the last micro-batch only, so every rank must plan the same number of
+micro-batches (give ranks equal shares).  ``state_dict_for_publish`` and
+``save_checkpoint`` gather the full model on every rank (call them on all ranks);
+sharded (FSDP) optimizer state is saved as each rank's ``optimizer.state_dict()`` only
+from the main rank — resuming FSDP runs is not covered yet.
 """
 
 from __future__ import annotations

@@ -150,3 +150,28 @@ def test_pull_from_a_silent_endpoint_fails_within_its_bounds():
     with pytest.raises(WeightSyncError, match="no reply"):
         pull_weights_blocking(f"tcp://127.0.0.1:{free_port()}", manifest, timeout_s=0.2, max_retries=1)
     assert time.monotonic() - t0 < 5
+
+
+def test_trained_weights_published_and_pulled_give_the_same_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conf.schema import Config
+    from learner.synthetic import build_tiny_model, synthetic_groups
+    from learner.trainer import Trainer
+
+    path = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
+    cfg = Config()
+    cfg.algo.lr = 1e-2
+    trainer = Trainer(cfg, path)
+    trainer.train_step(synthetic_groups(2, 4, vocab=256, prompt_len=8, turns=2, tokens_per_turn=6, obs_len=4))
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.01, dtype="float32")
+    try:
+        manifest = pub.publish(trainer.step, trainer.state_dict_for_publish("float32"))
+        tensors = pull_weights_blocking(pub.endpoint, manifest, timeout_s=5)
+    finally:
+        pub.close()
+    actor_model = AutoModelForCausalLM.from_pretrained(path)  # the actor starts from the initial weights
+    actor_model.load_state_dict(tensors, strict=True)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(actor_model(input_ids=ids).logits, trainer.hf_model(input_ids=ids).logits)
