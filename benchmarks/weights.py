@@ -13,9 +13,9 @@ All three figures move the same bytes and end with them in another process's mem
 - **ceiling**: one memory copy of the same bytes into a preallocated, touched buffer.
 
 Each is repeated (``--weights-repeats``, after one warm-up) and the best time kept.
-Memory: the state dict, the publisher's buffer and the child's buffer (3x the size; the
-publisher retires the previous version before publishing the next so its buffer is
-reused), or the state dict, the /dev/shm file and the child's loaded copy.
+Memory: the state dict, the publisher's buffer and the child's buffer (3x the size; with
+``keep=1`` the publisher retires the previous version when the next publication starts
+and reuses its buffer), or the state dict, the /dev/shm file and the child's loaded copy.
 """
 
 from __future__ import annotations
@@ -170,7 +170,6 @@ def run(args: argparse.Namespace) -> list[Result]:
         try:
             best_ours = float("inf")
             for v in range(repeats + 1):
-                pub.retire(v - 1)  # the previous version's buffer is reused
                 t0 = time.perf_counter()
                 manifest = pub.publish(v, sd)
                 frames = codec.encode(manifest)

@@ -5,7 +5,8 @@ an offset aligned to its element size) into one byte buffer, casting floating te
 the transfer dtype on the way, cuts the stream into chunks of ``chunk_mb``, checksums each
 (``protocol.checksums``: crc32c in hardware, as fast as a memory copy; zlib's crc32 ran
 at a third of memcpy speed on the loaded 2-core box and dominated a pull) and returns the ``WeightManifest`` the service announces on PUB.  The latest
-``keep`` versions stay servable; older ones answer ``ErrorReply(code="unknown_version")``.
+``keep`` versions stay servable; older ones answer ``ErrorReply(code="unknown_version")``
+(the oldest is retired when the next publication starts).
 
 The serving thread answers ``WeightChunkRequest`` on the ROUTER: frames in are
 ``[identity, request_id, *WeightChunkRequest]`` (``protocol.transport.split_router_frames``),
@@ -122,9 +123,15 @@ class WeightPublisher:
     # ------------------------------------------------------------------ learner side
 
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:
-        """Lay out, cast, chunk and checksum ``state_dict`` as ``version``; make it servable
-        and retire versions beyond the latest ``keep``.  Tensors may live on any device."""
+        """Lay out, cast, chunk and checksum ``state_dict`` as ``version`` and make it
+        servable.  The oldest versions are retired first so that, with this one, at most
+        ``keep`` remain (its buffer is reused: ``keep`` buffers in all, not ``keep + 1``).
+        Tensors may live on any device."""
         infos, total = layout(state_dict, self.dtype)
+        with self._lock:  # make room first, so the oldest version's buffer can be reused
+            for v in sorted(self._versions)[: max(len(self._versions) - (self.keep - 1), 0)]:
+                old = self._versions.pop(v)
+                self._spare.append((old.buf, old.trackers))
         buf = self._take_buffer(total)
         flat = torch.from_numpy(buf)
         for info, t in zip(infos, state_dict.values()):
@@ -136,9 +143,6 @@ class WeightPublisher:
         manifest.check()
         with self._lock:
             self._versions[version] = _Version(manifest, buf)
-            for v in sorted(self._versions)[: max(len(self._versions) - self.keep, 0)]:
-                old = self._versions.pop(v)
-                self._spare.append((old.buf, old.trackers))
         return manifest
 
     def retire(self, version: int) -> None:

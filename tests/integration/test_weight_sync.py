@@ -175,3 +175,13 @@ def test_trained_weights_published_and_pulled_give_the_same_model(tmp_path):
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         assert torch.equal(actor_model(input_ids=ids).logits, trainer.hf_model(input_ids=ids).logits)
+
+
+def test_publisher_reuses_the_retired_versions_buffer(publisher):
+    publisher.publish(1, state_dict(1))
+    first = publisher._versions[1].buf.ctypes.data
+    pull_weights_blocking(publisher.endpoint, publisher._versions[1].manifest, timeout_s=5)  # zero-copy sends from it
+    publisher.publish(2, state_dict(2))
+    publisher.publish(3, state_dict(3))  # retires 1 first, then writes into its buffer
+    assert publisher.versions() == [2, 3]
+    assert publisher._versions[3].buf.ctypes.data == first
