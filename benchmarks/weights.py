@@ -54,18 +54,30 @@ def _state_dict(gb: float):
 
 
 class _Child:
-    """The actor-side process: JSON lines in on stdin, JSON lines out on stdout."""
+    """The actor-side process: JSON lines in on stdin, JSON lines out on stdout; every
+    request waits at most ``timeout_s`` for its answer."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.weights", "child"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+                                     stdout=subprocess.PIPE, env=os.environ.copy())
+        self._pending = b""
 
     def ask(self, msg: dict, timeout_s: float = 300.0) -> dict:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
+        import select
+
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"benchmark child exited (rc={self.proc.poll()})")
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"benchmark child gave no answer to {msg['op']!r} within {timeout_s:.0f}s")
+            data = os.read(fd, 65536)
+            if not data:
+                raise RuntimeError(f"benchmark child exited (rc={self.proc.poll()})")
+            self._pending += data
+        line, _, self._pending = self._pending.partition(b"\n")
         reply = json.loads(line)
         if not reply.get("ok"):
             raise RuntimeError(f"benchmark child failed: {reply.get('error')}")

@@ -276,3 +276,12 @@ def test_bf16_mixed_precision_on_cpu_trains(model_dir):
     assert any(not torch.equal(before[k], v) for k, v in params(tr).items())
     fp32 = Trainer(make_cfg(), model_dir)  # back to fp32 in the same process
     assert fp32.accelerator.mixed_precision == "no"
+
+
+def test_rng_states_round_trip():
+    import random
+
+    state = ckpt.capture_rng()
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt.restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
