@@ -216,6 +216,10 @@ def test_joiner_finishing_on_its_first_token_leaves_the_others_running(engine):
         out[k] = await engine.generate(GenerateRequest(prompt, SamplingParams(top_k=1, max_new_tokens=n)))
 
     async def main():
+        with trio.fail_after(60):  # the bug this guards against lost requests (a hang)
+            await play()
+
+    async def play():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, "long0", ps[0], 30)
             nursery.start_soon(one, "long1", ps[1], 30)
