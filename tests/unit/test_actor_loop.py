@@ -92,7 +92,7 @@ def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
     actor = make_actor(cfg, env, engine)
 
     async def main():
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(svc.serve)
                 await svc.ready.wait()
@@ -124,7 +124,7 @@ def test_actor_survives_learner_restart():
         return s
 
     async def main():
-        with trio.fail_after(40):
+        with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(actor.run)
                 first = service()

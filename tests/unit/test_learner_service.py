@@ -96,7 +96,7 @@ def run_service_with(cfg, parts, script):
     out = {}
 
     async def main():
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(svc.serve)
                 await svc.ready.wait()
@@ -232,7 +232,7 @@ def test_resume_restores_version_step_and_task_cursor():
         svc2.linger_s, svc2.announce_every_s = 0.3, 0.2
         ctx = zmq.Context()
         try:
-            with trio.fail_after(30):
+            with trio.fail_after(60):
                 async with trio.open_nursery() as n:
                     n.start_soon(svc2.serve)
                     await svc2.ready.wait()
