@@ -1,0 +1,3 @@
+from envhub.main import main
+
+raise SystemExit(main())

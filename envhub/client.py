@@ -1,0 +1,349 @@
+"""The async env client the actors use (trio): HTTP/1.1 over trio streams with ``h11`` and a
+bounded keep-alive connection pool per client.
+
+Retry rule: only connection errors are retried (capped exponential backoff with jitter), and
+only when the request cannot have been applied: a failure to connect, or a pooled connection
+found closed before anything was sent.  Once a non-idempotent request (``create``, ``step``)
+has been written, a dropped connection raises ``EnvConnectionLost`` and is never re-sent;
+idempotent ones (``reset``, ``observation``, ``close``, ``health``) are re-sent.  A timeout
+raises ``EnvTimeout`` and is not retried.  HTTP errors raise ``EnvHTTPError`` (404:
+``EnvNotFound``), also for AgentGym's HTTP-200 ``{"error": "..."}`` bodies.
+
+Flavors (what the server speaks):
+- ``turnscale``: our envhub servers.
+- ``agentgym``: AgentGym's BabyAI / TextCraft / SciWorld servers (``id``-keyed).  Reward is
+  read from ``score`` when present (AgentGym's clients do the same); ``success`` is
+  ``info.success`` if present, else ``done and reward > 0`` (for a 0-100 ``score`` above 1:
+  ``score >= 100``).  TextCraft's create already resets; ``reset`` resets again (harmless).
+- ``agentgym_searchqa``: ``env_idx``-keyed; create answers a bare int, reset a bare string,
+  and reset sends the task index as ``id``.
+- ``agentgym_webarena``: ``env_idx``-keyed; reset sends ``idx``; step answers ``terminated``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import select
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+from protocol.errors import TurnscaleError
+
+FLAVORS = ("turnscale", "agentgym", "agentgym_searchqa", "agentgym_webarena")
+MAX_RESPONSE_BYTES = 64 << 20
+IDLE_CONN_MAX_S = 4.0
+"""Pooled connections idle longer than this are dropped (uvicorn's default keep-alive is 5 s)."""
+
+
+class EnvClientError(TurnscaleError):
+    """Base of every env client error."""
+
+
+class EnvUnavailable(EnvClientError):
+    """Could not reach the env server after the retries; is it running at that URL?"""
+
+
+class EnvConnectionLost(EnvUnavailable):
+    """The connection dropped after a non-idempotent request was sent: it may or may not
+    have been applied, so it is not re-sent.  End the episode as an env error."""
+
+
+class EnvTimeout(EnvClientError):
+    """No reply within ``timeout_s``."""
+
+
+class EnvHTTPError(EnvClientError):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class EnvNotFound(EnvHTTPError):
+    """404: the instance id is unknown, closed or expired (create a new one)."""
+
+
+@dataclass(frozen=True)
+class ResetReply:
+    observation: str
+    info: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepReply:
+    observation: str
+    reward: float
+    done: bool
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    """Always has ``success`` (bool)."""
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+class _NotSent(Exception):
+    """The connection failed before any byte of the request was written (safe to retry)."""
+
+
+class _Conn:
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 20)
+        self.idle_since = time.monotonic()
+
+    def looks_alive(self) -> bool:
+        """An idle keep-alive connection is readable only if the server closed it (EOF) or
+        sent something unsolicited: either way it must not be reused."""
+        if time.monotonic() - self.idle_since > IDLE_CONN_MAX_S:
+            return False
+        poller = select.poll()
+        poller.register(self.stream.socket.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        return not poller.poll(0)
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+class EnvClient:
+    """One env server's client; safe to share among many trio tasks of one trio run.
+
+    ``max_connections`` bounds concurrent requests (each holds one connection).
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 30.0, max_retries: int = 5, max_backoff_s: float = 5.0, max_connections: int = 64, flavor: str = "turnscale") -> None:
+        if flavor not in FLAVORS:
+            raise ValueError(f"flavor {flavor!r}: choose one of {FLAVORS}")
+        url = urlsplit(base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"env url {base_url!r}: expected http://host:port")
+        self.base_url = base_url.rstrip("/")
+        self.host = url.hostname
+        self.port = url.port or 80
+        self.prefix = url.path.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.max_backoff_s = max_backoff_s
+        self.flavor = flavor
+        self._slots = trio.Semaphore(max_connections)
+        self._idle: list[_Conn] = []
+        self._closed = False
+
+    # -- public API -----------------------------------------------------------------
+    async def create(self) -> int:
+        body = {"id": 0} if self.flavor != "turnscale" else {}
+        raw = await self._call("POST", "/create", body, idempotent=False)
+        if isinstance(raw, bool) or not isinstance(raw, (int, dict)):
+            raise EnvHTTPError(200, "bad_reply", f"/create answered {str(raw)[:200]!r}; expected an id")
+        if isinstance(raw, int):
+            return raw
+        for key in ("id", "env_idx"):
+            if isinstance(raw.get(key), int):
+                return int(raw[key])
+        raise EnvHTTPError(200, "bad_reply", f"/create answered {str(raw)[:200]!r}; expected an id")
+
+    async def reset(self, env_id: int, data_idx: int) -> ResetReply:
+        if self.flavor == "agentgym_searchqa":
+            body: dict[str, Any] = {"env_idx": env_id, "id": data_idx}
+        elif self.flavor == "agentgym_webarena":
+            body = {"env_idx": env_id, "seed": 0, "idx": data_idx}
+        else:
+            body = {"id": env_id, "data_idx": data_idx}
+        raw = await self._call("POST", "/reset", body, idempotent=True)
+        if isinstance(raw, str):
+            return ResetReply(raw, {}, {"observation": raw})
+        if not isinstance(raw, dict) or not isinstance(raw.get("observation"), str):
+            raise EnvHTTPError(200, "bad_reply", f"/reset answered without an observation: {str(raw)[:200]!r}")
+        return ResetReply(raw["observation"], dict(raw.get("info") or {}), raw)
+
+    async def step(self, env_id: int, action: str) -> StepReply:
+        key = "env_idx" if self.flavor in ("agentgym_searchqa", "agentgym_webarena") else "id"
+        raw = await self._call("POST", "/step", {key: env_id, "action": action}, idempotent=False)
+        if not isinstance(raw, dict) or not isinstance(raw.get("observation"), str):
+            raise EnvHTTPError(200, "bad_reply", f"/step answered without an observation: {str(raw)[:200]!r}")
+        return self._step_reply(raw)
+
+    async def observation(self, env_id: int) -> str:
+        key = "env_idx" if self.flavor in ("agentgym_searchqa", "agentgym_webarena") else "id"
+        raw = await self._call("GET", f"/observation?{key}={int(env_id)}", None, idempotent=True)
+        if isinstance(raw, dict) and isinstance(raw.get("observation"), str):
+            return raw["observation"]
+        if not isinstance(raw, str):
+            raise EnvHTTPError(200, "bad_reply", f"/observation answered {str(raw)[:200]!r}")
+        return raw
+
+    async def close(self, env_id: int) -> None:
+        key = "env_idx" if self.flavor in ("agentgym_searchqa", "agentgym_webarena") else "id"
+        await self._call("POST", "/close", {key: env_id}, idempotent=True)
+
+    async def health(self) -> bool:
+        """True when the server answers ``/health`` (or AgentGym's ``/``) with 200."""
+        path = "/health" if self.flavor == "turnscale" else "/"
+        try:
+            await self._call("GET", path, None, idempotent=True, retries=0)
+        except EnvClientError:
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.aclose()
+
+    async def __aenter__(self) -> EnvClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    # -- replies --------------------------------------------------------------------
+    def _step_reply(self, raw: dict[str, Any]) -> StepReply:
+        info = dict(raw.get("info") or {}) if isinstance(raw.get("info"), dict) else {}
+        done = bool(raw.get("done", raw.get("terminated", False)))
+        truncated = bool(raw.get("truncated", False))
+        if self.flavor == "turnscale":
+            reward = float(raw.get("reward", 0.0))
+            success = bool(info.get("success", False))
+        else:
+            score = raw.get("score")
+            reward = float(score if isinstance(score, (int, float)) else raw.get("reward", 0.0))
+            if "success" in info:
+                success = bool(info["success"])
+            elif isinstance(score, (int, float)) and score > 1:
+                success = bool(score >= 100)
+            else:
+                success = bool(done and reward > 0)
+        info["success"] = success
+        return StepReply(raw["observation"], reward, done or truncated, truncated, info, raw)
+
+    # -- transport ------------------------------------------------------------------
+    async def _call(self, method: str, path: str, body: Any, *, idempotent: bool, retries: int | None = None) -> Any:
+        if self._closed:
+            raise EnvClientError("this EnvClient is closed")
+        payload = b"" if body is None else json.dumps(body).encode()
+        retries = self.max_retries if retries is None else retries
+        attempt = 0
+        while True:
+            try:
+                status, data = await self._once(method, self.prefix + path, payload, idempotent)
+                break
+            except _NotSent as exc:
+                if attempt >= retries:
+                    raise EnvUnavailable(f"env server {self.base_url} unreachable after {attempt + 1} attempts ({exc}); is it running?") from None
+            attempt += 1
+            await trio.sleep(min(self.max_backoff_s, 0.05 * 2**attempt) * (0.5 + random.random() / 2))
+        return _decode(status, data, path)
+
+    async def _once(self, method: str, path: str, payload: bytes, idempotent: bool) -> tuple[int, bytes]:
+        async with self._slots:
+            try:
+                with trio.fail_after(self.timeout_s):
+                    conn = await self._checkout()
+                    try:
+                        status, data, reusable = await self._exchange(conn, method, path, payload, idempotent)
+                    except BaseException:
+                        await conn.aclose()
+                        raise
+                    if reusable and not self._closed:
+                        conn.idle_since = time.monotonic()
+                        self._idle.append(conn)
+                    else:
+                        await conn.aclose()
+                    return status, data
+            except trio.TooSlowError:
+                raise EnvTimeout(f"{method} {path} on {self.base_url}: no reply within {self.timeout_s:g} s") from None
+
+    async def _checkout(self) -> _Conn:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.looks_alive():
+                return conn
+            await conn.aclose()
+        try:
+            stream = await trio.open_tcp_stream(self.host, self.port)
+        except OSError as exc:
+            raise _NotSent(f"connect: {exc.strerror or exc}") from None
+        try:
+            import socket as _socket
+
+            stream.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, True)
+        except OSError:
+            pass
+        return _Conn(stream)
+
+    async def _exchange(self, conn: _Conn, method: str, path: str, payload: bytes, idempotent: bool) -> tuple[int, bytes, bool]:
+        headers = [("Host", f"{self.host}:{self.port}"), ("Accept", "application/json")]
+        if method == "POST":
+            headers += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+        h = conn.h11
+        out = h.send(h11.Request(method=method, target=path, headers=headers))
+        if method == "POST":
+            out += h.send(h11.Data(data=payload)) + h.send(h11.EndOfMessage())
+        else:
+            out += h.send(h11.EndOfMessage())
+        sent = False
+        try:
+            await conn.stream.send_all(out)
+            sent = True
+            status, chunks, size = 0, [], 0
+            while True:
+                event = h.next_event()
+                if event is h11.NEED_DATA:
+                    data = await conn.stream.receive_some(65536)
+                    h.receive_data(data)
+                    continue
+                if isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > MAX_RESPONSE_BYTES:
+                        raise EnvHTTPError(status, "reply_too_large", f"{path}: reply over {MAX_RESPONSE_BYTES} bytes")
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise trio.BrokenResourceError("server closed the connection mid-reply")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.RemoteProtocolError) as exc:
+            if not sent or idempotent:
+                raise _NotSent(f"{type(exc).__name__}: {exc}") from None
+            raise EnvConnectionLost(f"{method} {path} on {self.base_url}: connection lost after the request was sent ({exc}); it may have been applied, so it is not re-sent") from None
+        reusable = h.our_state is h11.DONE and h.their_state is h11.DONE
+        if reusable:
+            try:
+                h.start_next_cycle()
+            except h11.LocalProtocolError:
+                reusable = False
+        return status, b"".join(chunks), reusable
+
+
+def _decode(status: int, data: bytes, path: str) -> Any:
+    try:
+        body = json.loads(data) if data else None
+    except ValueError:
+        body = None
+        if status < 400:
+            raise EnvHTTPError(status, "bad_reply", f"{path}: reply is not JSON: {data[:200]!r}") from None
+    if status >= 400:
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict):
+            code, message = str(err.get("code", "error")), str(err.get("message", ""))
+        elif isinstance(body, dict) and "detail" in body:  # FastAPI's own shape (AgentGym)
+            code, message = "http_error", str(body["detail"])[:500]
+        else:
+            code, message = "http_error", data[:500].decode("utf-8", "replace")
+        cls = EnvNotFound if status == 404 else EnvHTTPError
+        raise cls(status, code, message)
+    if isinstance(body, dict) and "error" in body and len(body) <= 2 and "observation" not in body:
+        err = body["error"]  # AgentGym: HTTP 200 with {"error": "..."}
+        if isinstance(err, dict):
+            raise EnvHTTPError(status, str(err.get("code", "error")), str(err.get("message", "")))
+        raise EnvHTTPError(status, "agentgym_error", str(err)[:500])
+    return body

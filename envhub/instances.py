@@ -1,0 +1,248 @@
+"""The instance table of one env server: ids, per-instance locks, limits, idle expiry, metrics.
+
+Invariants:
+- Ids come from a counter starting at 0 and are never reused within a process.
+- Every env call on an instance runs while holding that instance's ``asyncio.Lock``, in a
+  worker thread (so different ids run in parallel and one id is serialised).
+- An instance is in exactly one state: ``new`` (created, not reset), ``running``, ``done``
+  (episode ended; only ``reset`` or ``close`` allowed), ``broken`` (an env call raised; only
+  ``close`` allowed) or gone from the table (closed or expired; the id is remembered so
+  ``close`` stays idempotent and errors can say what happened).
+- The sweeper closes instances idle longer than ``idle_timeout_s`` that are not in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from envhub.base import Env, EnvFamily, ResetResult, StepResult
+
+log = logging.getLogger("envhub")
+
+
+class ApiError(Exception):
+    """An error the server answers with ``status`` and ``{"error": {"code", "message"}}``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Instance:
+    id: int
+    env: Env
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    state: str = "new"
+    """``new`` | ``running`` | ``done`` | ``broken``."""
+    steps: int = 0
+    """Steps in the current episode."""
+    last_used: float = field(default_factory=time.monotonic)
+    users: int = 0
+    """Requests currently holding or waiting for the lock (the sweeper skips busy ones)."""
+    closing: bool = False
+
+
+class Latency:
+    """A bounded window of request latencies (seconds) with percentiles."""
+
+    def __init__(self, window: int = 4096) -> None:
+        self.samples: collections.deque[float] = collections.deque(maxlen=window)
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+        self.count += 1
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"count": self.count}
+        xs = sorted(self.samples)
+
+        def pct(p: float) -> float:
+            return round(1000 * xs[min(len(xs) - 1, int(p * len(xs)))], 3)
+
+        return {"count": self.count, "mean_ms": round(1000 * sum(xs) / len(xs), 3), "p50_ms": pct(0.5), "p90_ms": pct(0.9), "p99_ms": pct(0.99), "max_ms": round(1000 * xs[-1], 3)}
+
+
+class InstanceTable:
+    """All instances of one server process; every public method runs on the event loop."""
+
+    def __init__(self, family: EnvFamily, *, max_instances: int, idle_timeout_s: float, max_env_steps: int = 0, threads: int = 32) -> None:
+        self.family = family
+        self.max_instances = max_instances
+        self.idle_timeout_s = idle_timeout_s
+        self.max_env_steps = max_env_steps
+        self.instances: dict[int, Instance] = {}
+        self.gone: collections.OrderedDict[int, str] = collections.OrderedDict()
+        """Recently closed/expired ids -> ``closed`` | ``expired`` (bounded)."""
+        self.next_id = 0
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.latency: dict[str, Latency] = collections.defaultdict(Latency)
+        self.started = time.time()
+
+    # -- helpers ---------------------------------------------------------------------
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def _get(self, env_id: int) -> Instance:
+        inst = self.instances.get(env_id)
+        if inst is None or inst.closing:
+            why = self.gone.get(env_id)
+            if why == "expired":
+                msg = f"env instance {env_id} expired after {self.idle_timeout_s:g} s idle; create a new one"
+            elif why == "closed" or (inst is not None and inst.closing):
+                msg = f"env instance {env_id} is closed; create a new one"
+            else:
+                msg = f"no env instance {env_id}; create one with POST /create"
+            raise ApiError(404, "not_found", msg)
+        return inst
+
+    def _remember_gone(self, env_id: int, why: str) -> None:
+        self.gone[env_id] = why
+        while len(self.gone) > 100_000:
+            self.gone.popitem(last=False)
+
+    def _broken(self, inst: Instance) -> ApiError:
+        return ApiError(410, "broken", f"env instance {inst.id} failed with an internal error and cannot continue; close it (POST /close) and create a new one")
+
+    async def _run(self, inst: Instance, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one env call on ``inst`` under its lock; an exception marks it broken (500)."""
+        inst.users += 1
+        try:
+            async with inst.lock:
+                if inst.closing or self.instances.get(inst.id) is not inst:
+                    raise ApiError(404, "not_found", f"env instance {inst.id} was closed while this request waited; create a new one")
+                if inst.state == "broken":
+                    raise self._broken(inst)
+                self._check_state(inst, kind)
+                t0 = time.perf_counter()
+                try:
+                    out = await self._call(fn, *args)
+                except ApiError:
+                    raise
+                except Exception as exc:  # the env failed: never leak the trace to the client
+                    inst.state = "broken"
+                    log.exception("env instance %d: %s failed", inst.id, kind)
+                    raise ApiError(500, "env_error", f"env instance {inst.id} raised {type(exc).__name__} during {kind}; it is now broken: close it and create a new one") from None
+                finally:
+                    inst.last_used = time.monotonic()
+                self.latency[kind].add(time.perf_counter() - t0)
+                return out
+        finally:
+            inst.users -= 1
+
+    def _check_state(self, inst: Instance, kind: str) -> None:
+        if kind in ("step", "observation") and inst.state == "new":
+            raise ApiError(409, "not_reset", f"env instance {inst.id} has no episode yet; call POST /reset first")
+        if kind == "step" and inst.state == "done":
+            raise ApiError(409, "episode_done", f"the episode of env instance {inst.id} has ended; call POST /reset to start a new one")
+
+    # -- operations ------------------------------------------------------------------
+    async def create(self) -> int:
+        if len(self.instances) >= self.max_instances:
+            self.errors["too_many_instances"] += 1
+            raise ApiError(429, "too_many_instances", f"instance limit reached ({self.max_instances}); close unused instances or raise env.max_instances")
+        env_id = self.next_id
+        self.next_id += 1
+        try:
+            env = await self._call(self.family.create)
+        except Exception as exc:
+            log.exception("creating an env instance failed")
+            raise ApiError(500, "env_error", f"creating an env instance failed ({type(exc).__name__}); see the server log") from None
+        self.instances[env_id] = Instance(env_id, env)
+        self.counters["created"] += 1
+        return env_id
+
+    async def reset(self, env_id: int, data_idx: int) -> ResetResult:
+        inst = self._get(env_id)
+        out: ResetResult = await self._run(inst, "reset", inst.env.reset, data_idx)
+        inst.state, inst.steps = "running", 0
+        self.counters["resets"] += 1
+        return out
+
+    async def step(self, env_id: int, action: str) -> StepResult:
+        inst = self._get(env_id)
+        out: StepResult = await self._run(inst, "step", inst.env.step, action)
+        inst.steps += 1
+        self.counters["steps"] += 1
+        if self.max_env_steps and inst.steps >= self.max_env_steps and not out.done:
+            out.done = out.truncated = True
+            out.info = {**out.info, "truncated_by": "env.max_env_steps"}
+        if out.done:
+            inst.state = "done"
+        return out
+
+    async def observation(self, env_id: int) -> str:
+        inst = self._get(env_id)
+        return await self._run(inst, "observation", inst.env.observation)
+
+    async def close(self, env_id: int) -> None:
+        """Idempotent for any id this server handed out; 404 for ids it never did."""
+        if env_id in self.gone:
+            return
+        inst = self.instances.get(env_id)
+        if inst is None:
+            raise ApiError(404, "not_found", f"no env instance {env_id} was ever created here")
+        await self._dispose(inst, "closed")
+
+    async def _dispose(self, inst: Instance, why: str) -> None:
+        if inst.closing:
+            return
+        inst.closing = True
+        self._remember_gone(inst.id, why)
+        async with inst.lock:  # wait for an in-flight call to finish
+            self.instances.pop(inst.id, None)
+            try:
+                await self._call(inst.env.close)
+            except Exception:
+                log.exception("closing env instance %d failed", inst.id)
+        self.counters[why] += 1
+
+    async def sweep_once(self) -> int:
+        """Close instances idle longer than ``idle_timeout_s`` and not in use; returns how many."""
+        now = time.monotonic()
+        stale = [i for i in self.instances.values() if i.users == 0 and not i.closing and now - i.last_used > self.idle_timeout_s]
+        for inst in stale:
+            log.info("env instance %d expired after %.1f s idle", inst.id, now - inst.last_used)
+            await self._dispose(inst, "expired")
+        return len(stale)
+
+    async def sweeper(self) -> None:
+        period = max(0.05, min(5.0, self.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.sweep_once()
+            except Exception:  # never let the sweeper die silently
+                log.exception("idle sweeper failed")
+
+    async def close_all(self) -> None:
+        for inst in list(self.instances.values()):
+            await self._dispose(inst, "closed")
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "env": self.family.name,
+            "instances": len(self.instances),
+            "max_instances": self.max_instances,
+            "created": self.counters["created"],
+            "closed": self.counters["closed"],
+            "expired": self.counters["expired"],
+            "resets": self.counters["resets"],
+            "steps": self.counters["steps"],
+            "errors": dict(self.errors),
+            "latency": {k: v.summary() for k, v in self.latency.items()},
+            "uptime_s": round(time.time() - self.started, 3),
+        }

@@ -1,0 +1,79 @@
+"""``turnscale envhub env=<name> host=127.0.0.1 port=<port> [env.* overrides]``: serve one env family.
+
+``host=`` and ``port=`` at top level are shorthands for ``env.host`` / ``env.port``.  The
+process redirects its stdout to stderr (envs such as minigrid print during level
+generation), serves with uvicorn until SIGTERM/SIGINT, then closes every instance and the
+family and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+SHORTHANDS = {"host": "env.host", "port": "env.port"}
+
+
+def rewrite_overrides(argv: list[str]) -> list[str]:
+    """``host=X`` -> ``++env.host=X``, ``port=N`` -> ``++env.port=N`` (``++``: set whether or not
+    the env yaml names the key)."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        bare = key.lstrip("+")
+        if sep and bare in SHORTHANDS:
+            arg = f"++{SHORTHANDS[bare]}={value}"
+        out.append(arg)
+    return out
+
+
+def _quiet_stdout() -> None:
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    import conf
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = conf.load(rewrite_overrides(argv))
+    if os.environ.get("OMP_NUM_THREADS"):
+        try:  # only if some env pulled torch in; never import it ourselves
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(1)
+        except Exception:
+            pass
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s envhub[%(process)d] %(levelname)s %(message)s", stream=sys.stderr)
+    _quiet_stdout()
+    return serve(cfg.env)
+
+
+def serve(env_cfg) -> int:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM after its graceful shutdown (exit -15);
+        an envhub stopped by SIGTERM has shut down cleanly and exits 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals.remove(sig)
+
+    from envhub.registry import make_family
+    from envhub.server import create_app
+
+    family = make_family(env_cfg)
+    app = create_app(family, env_cfg)
+    config = uvicorn.Config(app, host=env_cfg.host, port=env_cfg.port, log_level="warning", access_log=False, timeout_keep_alive=75, lifespan="on")
+    server = _Server(config)
+    logging.getLogger("envhub").info("serving %s on http://%s:%d", env_cfg.name, env_cfg.host, env_cfg.port)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

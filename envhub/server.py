@@ -1,0 +1,238 @@
+"""The HTTP server of one env family: AgentGym's wire API over ``envhub.base.Env``.
+
+Routes (JSON in, JSON out):
+
+- ``POST /create`` (optional body, ignored) -> ``{"id": int, "env_idx": int}``
+- ``POST /reset {"id" | "env_idx", "data_idx" | "idx"}`` -> ``{"id", "observation", "done":
+  false, "reward": 0, "truncated": false, "info", ...extra}``.  AgentGym's SearchQA client
+  sends ``{"env_idx", "id"}`` where ``id`` is the task index: when ``env_idx`` is present it
+  names the instance and ``data_idx``/``idx``/``id`` the task.
+- ``POST /step {"id" | "env_idx", "action"}`` -> ``{"observation", "reward", "done",
+  "truncated", "info", ...extra}`` (``extra`` holds AgentGym fields such as ``score``)
+- ``GET /observation?id=`` -> the observation as a JSON string (AgentGym's shape)
+- ``POST /close {"id" | "env_idx"}`` -> ``true`` (idempotent for every id this server issued)
+- ``GET /health`` and ``GET /`` -> ``{"status": "ok", "env", "instances"}`` (200 once ready)
+- ``GET /metrics`` -> counters, errors by code, latency percentiles per operation
+
+Errors are real status codes with ``{"error": {"code", "message"}}``: 404 unknown / closed /
+expired id or route, 405 wrong method, 413 body too large, 422 malformed body or missing
+field, 409 step before reset or after the episode ended, 410 instance broken by an earlier
+internal error, 429 instance limit, 500 internal failure (instance marked broken).  No stack
+trace is ever sent; the server logs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from envhub.base import EnvFamily
+from envhub.instances import ApiError, InstanceTable
+
+log = logging.getLogger("envhub")
+
+MAX_BODY_BYTES = 1 << 20
+MAX_ACTION_CHARS = 64 * 1024
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    body = json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str).encode()
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def error_response(status: int, code: str, message: str) -> Response:
+    return _json({"error": {"code": code, "message": message}}, status)
+
+
+# -- request parsing (pure) --------------------------------------------------------------
+async def _body(request: Request, *, required: bool = True) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, "body_too_large", f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+    if not raw.strip():
+        if required:
+            raise ApiError(422, "invalid_body", "request body is empty; send a JSON object")
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(422, "invalid_json", f"request body is not valid JSON ({exc.__class__.__name__}: {str(exc)[:120]})") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, "invalid_body", f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _int_field(data: dict[str, Any], key: str) -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit() and len(value) < 19:
+            value = int(value)
+        else:
+            raise ApiError(422, "invalid_field", f"field {key!r} must be an integer, got {type(value).__name__}")
+    if value < 0 or value >= 2**53:
+        raise ApiError(422, "invalid_field", f"field {key!r} must be in [0, 2**53), got {value}")
+    return value
+
+
+def instance_id(data: dict[str, Any]) -> int:
+    """The instance named by ``env_idx`` (AgentGym SearchQA/WebArena) or ``id``."""
+    for key in ("env_idx", "id"):
+        if key in data:
+            return _int_field(data, key)
+    raise ApiError(422, "missing_field", "missing field 'id' (the env instance id from POST /create)")
+
+
+def task_index(data: dict[str, Any]) -> int:
+    keys = ("data_idx", "idx", "id") if "env_idx" in data else ("data_idx", "idx")
+    for key in keys:
+        if key in data:
+            return _int_field(data, key)
+    raise ApiError(422, "missing_field", "missing field 'data_idx' (which task to reset to)")
+
+
+def action_text(data: dict[str, Any]) -> str:
+    if "action" not in data:
+        raise ApiError(422, "missing_field", "missing field 'action' (the action text)")
+    action = data["action"]
+    if not isinstance(action, str):
+        raise ApiError(422, "invalid_field", f"field 'action' must be a string, got {type(action).__name__}")
+    if len(action) > MAX_ACTION_CHARS:
+        raise ApiError(422, "invalid_field", f"field 'action' has {len(action)} characters; the limit is {MAX_ACTION_CHARS}")
+    return action
+
+
+# -- routes ------------------------------------------------------------------------------
+def _table(request: Request) -> InstanceTable:
+    return request.app.state.table
+
+
+async def create(request: Request) -> Response:
+    await _body(request, required=False)
+    env_id = await _table(request).create()
+    return _json({"id": env_id, "env_idx": env_id})
+
+
+async def reset(request: Request) -> Response:
+    data = await _body(request)
+    env_id, data_idx = instance_id(data), task_index(data)
+    out = await _table(request).reset(env_id, data_idx)
+    payload = {**out.extra, "id": env_id, "observation": out.observation, "done": False, "reward": 0.0, "truncated": False, "info": out.info}
+    return _json(payload)
+
+
+async def step(request: Request) -> Response:
+    data = await _body(request)
+    env_id, action = instance_id(data), action_text(data)
+    out = await _table(request).step(env_id, action)
+    info = {**out.info, "success": bool(out.info.get("success", False))}
+    payload = {**out.extra, "observation": out.observation, "reward": float(out.reward), "done": bool(out.done), "truncated": bool(out.truncated), "info": info}
+    return _json(payload)
+
+
+async def observation(request: Request) -> Response:
+    query = dict(request.query_params)
+    if "id" not in query and "env_idx" not in query:
+        raise ApiError(422, "missing_field", "missing query parameter 'id'")
+    env_id = instance_id(query)
+    return _json(await _table(request).observation(env_id))
+
+
+async def close(request: Request) -> Response:
+    data = await _body(request)
+    await _table(request).close(instance_id(data))
+    return _json(True)
+
+
+async def health(request: Request) -> Response:
+    table = _table(request)
+    return _json({"status": "ok", "env": table.family.name, "instances": len(table.instances)})
+
+
+async def metrics(request: Request) -> Response:
+    return _json(_table(request).metrics())
+
+
+# -- errors ------------------------------------------------------------------------------
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    request.app.state.table.errors[exc.code] += 1
+    return error_response(exc.status, exc.code, exc.message)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "no_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    request.app.state.table.errors[code] += 1
+    return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    request.app.state.table.errors["internal"] += 1
+    return error_response(500, "internal", f"internal server error ({type(exc).__name__}); see the server log")
+
+
+_PATHS = frozenset({"/create", "/reset", "/step", "/observation", "/close", "/health", "/", "/metrics"})
+
+
+class _Timing:
+    """ASGI middleware: request latency per route into the table's metrics."""
+
+    def __init__(self, app: Any, table: InstanceTable) -> None:
+        self.app, self.table = app, table
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            path = scope.get("path", "")
+            self.table.latency["http " + (path if path in _PATHS else "other")].add(time.perf_counter() - t0)
+
+
+def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
+    """The ASGI app serving ``family`` with the limits of ``cfg`` (``conf.schema.EnvConfig``).
+
+    Startup starts the idle sweeper; shutdown closes every instance, then the family.
+    """
+    table = InstanceTable(family, max_instances=cfg.max_instances, idle_timeout_s=cfg.idle_timeout_s, max_env_steps=cfg.max_env_steps, threads=threads)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        sweeper = asyncio.create_task(table.sweeper(), name="idle-sweeper")
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await table.close_all()
+            family.close()
+
+    routes = [
+        Route("/create", create, methods=["POST"]),
+        Route("/reset", reset, methods=["POST"]),
+        Route("/step", step, methods=["POST"]),
+        Route("/observation", observation, methods=["GET"]),
+        Route("/close", close, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.table = table
+    app.add_middleware(_Timing, table=table)
+    return app
