@@ -52,7 +52,7 @@ import zmq
 
 from actors.envpool import EnvClientLike, EnvPool, PooledSession
 from conf.schema import ActorConfig
-from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError
+from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError, TurnscaleError
 from protocol.messages import (
     ErrorReply,
     Goodbye,
@@ -235,7 +235,7 @@ class Actor:
             try:
                 with trio.fail_after(max(30.0, self.cfg.request_timeout_s)):
                     await self._pull(weights, welcome.policy)  # current weights before the first lease
-            except (trio.TooSlowError, TransportError, ProtocolError, RemoteError) as exc:
+            except (trio.TooSlowError, TurnscaleError) as exc:
                 raise LearnerLost(f"initial weight pull failed: {exc}") from None
             async with trio.open_nursery() as n:
                 n.start_soon(self._announcements, sub, name="announcements")
@@ -426,7 +426,7 @@ class Actor:
             if t is not None and t.manifest is not None and t.version > self.pulled_version:
                 try:
                     await self._pull(sock, t)
-                except (TransportError, ProtocolError, RemoteError) as exc:
+                except TurnscaleError as exc:  # transport, checksum, protocol, engine errors
                     log.warning("weight pull of version %d failed (%s); retrying", t.version, exc)
                     await trio.sleep(0.5)
                 continue
