@@ -45,7 +45,7 @@ import zmq
 
 from conf.schema import Config
 from learner.leases import LeaseManager
-from learner.metrics import NullLogger, StepMetrics, record_group, record_train
+from learner.metrics import NullLogger, StepMetrics, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
 from learner.trajlog import NullTrajectoryLog
 from protocol import codec
@@ -143,6 +143,8 @@ class LearnerService:
         self.version = 0
         self.trained_groups = 0
         self.buffer: list[TrajectoryGroup] = []
+        self._staleness: dict[str, int] = {}
+        """lease id -> staleness at intake, for buffered groups."""
         self.manifest: WeightManifest | None = None
         self.actors: dict[str, ActorInfo] = {}
         self.metrics = StepMetrics()
@@ -281,6 +283,8 @@ class LearnerService:
         wall = max(t1 - self._last_step_end, 1e-9)
         m = self.metrics
         record_train(m, out)
+        for g in batch:
+            record_trained(m, g, self._staleness.pop(g.lease_id, -1))
         m.add("perf/step_time_s", t1 - t0, "last")
         m.add("perf/tokens_trained", tokens, "sum")
         m.add("perf/tokens_trained_per_s", tokens / max(t1 - t0, 1e-9), "last")
@@ -383,10 +387,11 @@ class LearnerService:
         if group.actor_id in self.actors:
             self.actors[group.actor_id].last_seen = now
         r = self.leases.intake(group, now)
-        record_group(self.metrics, group, r.accepted, r.reason, r.staleness)
+        record_intake(self.metrics, r.accepted, r.reason)
         self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason)
         if r.accepted:
             self.buffer.append(group)
+            self._staleness[group.lease_id] = r.staleness
             if len(self.buffer) >= self.cfg.learner.groups_per_step:
                 self._have_groups.set()
         else:
