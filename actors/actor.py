@@ -282,8 +282,13 @@ class Actor:
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
+        timeout = self.cfg.request_timeout_s
         try:
-            reply = await req.request(msg, timeout_s=self.cfg.request_timeout_s)
+            # the deadline covers the send too: a DEALER whose peer is gone blocks on send
+            with trio.move_on_after(timeout + 0.5) as scope:
+                reply = await req.request(msg, timeout_s=timeout)
+            if scope.cancelled_caught:
+                raise PeerTimeout(f"no reply to {type(msg).__name__} within {timeout:.1f}s")
         except (PeerTimeout, TransportError) as exc:
             raise LearnerLost(str(exc)) from None
         except RemoteError as exc:
