@@ -240,3 +240,23 @@ def test_typed_errors_from_envhub(tmp_path):
                 await c.close(i)
 
         trio.run(main)
+
+
+def test_expert_action_over_http_solves_babyai_tasks():
+    pytest.importorskip("minigrid")
+    from tests.envhub_proc import envhub_server
+
+    with envhub_server("babyai") as url:
+
+        async def main():
+            async with EnvClient(url) as c:
+                i = await c.create()
+                for idx in (1, 12, 21, 33):  # GoToRedBall, OpenRedDoor, PutNextLocal, MoveTwoAcross
+                    await c.reset(i, idx)
+                    for _ in range(40):
+                        out = await c.step(i, await c.expert_action(i))
+                        if out.done:
+                            break
+                    assert out.done and out.info["success"], idx
+
+        trio.run(main)
