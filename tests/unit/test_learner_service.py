@@ -223,6 +223,8 @@ def test_resume_restores_version_step_and_task_cursor():
                 await req.request(make_group(lease, actor_id=actor), timeout_s=5)
             if not g.leases:
                 await trio.sleep(0.02)
+        while not svc.stopping:  # the last step's publication and checkpoint are written
+            await trio.sleep(0.02)
         req.sock.close()
         return tasks
 
