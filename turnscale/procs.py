@@ -1,0 +1,136 @@
+"""Child processes started and ended by pid: what the one-machine launcher, the e2e
+benchmark and the integration tests use to run envhub servers, learners and actors.
+
+Invariants: every child is started by us and ended by its pid (SIGTERM, then SIGKILL
+after a grace period); every wait is bounded in time; children log to files in the run
+directory, so a piped terminal sees only the launcher's own progress.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+
+class ChildFailed(RuntimeError):
+    """A child exited when it should be running, or never became ready."""
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
+        """Signal the child by pid and wait up to ``grace_s``; SIGKILL if it is still there."""
+        if self.alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait(timeout=10)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL now (failure-injection tests)."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for children: one OpenMP thread unless told otherwise, this checkout
+    importable, no hub access."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+@dataclass
+class ProcessGroup:
+    """Children of one launcher; ``close()`` ends them in reverse start order."""
+
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        log = open(log_path, "ab")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "turnscale", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(env),
+            start_new_session=True,
+        )
+        log.close()
+        child = Child(name, popen, log_path)
+        self.children.append(child)
+        return child
+
+    def check_alive(self) -> None:
+        for c in self.children:
+            if not c.alive():
+                raise ChildFailed(f"{c.name} (pid {c.pid}) exited with {c.popen.returncode}:\n{c.tail()}")
+
+    def close(self, grace_s: float = 15.0) -> None:
+        for c in reversed(self.children):
+            c.stop(grace_s)
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def wait_http_ok(url: str, timeout_s: float, child: Child | None = None) -> None:
+    """Poll ``url`` until it answers 200; fail early if ``child`` dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise ChildFailed(f"{child.name} exited with {child.popen.returncode} before {url} was ready:\n{child.tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.2)
+    raise ChildFailed(f"{url} not ready after {timeout_s:.0f}s" + (f":\n{child.tail()}" if child else ""))
