@@ -9,7 +9,8 @@ One trio nursery holds four named tasks under ``LearnerService.serve``:
 - ``announce``: re-publishes the current ``PolicyAnnouncement`` on PUB every
   ``announce_every_s`` so late subscribers catch it (PUB drops messages sent before a
   subscription exists).
-- ``expiry``: expires leases whose deadline passed (their tasks are re-issued).
+- ``expiry``: expires leases whose deadline passed (their tasks are re-issued) and
+  forgets actors silent for ``max(3 heartbeats, lease_ttl_s)`` (they must Hello again).
 - ``train``: whenever ``groups_per_step`` accepted groups are buffered, runs one
   optimizer step in a worker thread (``trio.to_thread.run_sync``), so control messages
   are answered while the model trains.  Ordering after each step:
@@ -245,9 +246,14 @@ class LearnerService:
         period = max(0.05, min(1.0, self.cfg.learner.lease_ttl_s / 4))
         while True:
             await trio.sleep(period)
-            for lease in self.leases.expire(trio.current_time()):
+            now = trio.current_time()
+            for lease in self.leases.expire(now):
                 self.metrics.add("rollout/leases_expired", 1, "sum")
                 log.info("lease %s (task %s) expired; re-issued", lease.lease_id, lease.task.data_idx)
+            silent = max(3 * self.cfg.learner.heartbeat_interval_s, self.cfg.learner.lease_ttl_s)
+            for a in [a for a in self.actors.values() if now - a.last_seen > silent]:
+                del self.actors[a.actor_id]  # its leases expire on their own; it must Hello again
+                log.info("actor %s silent for %.0fs; forgotten", a.actor_id, now - a.last_seen)
 
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> None:
