@@ -402,8 +402,9 @@ class Actor:
             stats = {**self.runtime.engine.stats(), **{k: float(v) for k, v in vars(self.stats).items()}}
             for pool in self.pools.values():
                 stats.update(pool.stats())
+            numeric = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             hb = Heartbeat(actor_id=self.actor_id, lease_ids=sorted(self._running), policy_version=self.runtime.engine.version,
-                           stats={k: float(v) for k, v in stats.items()})
+                           stats=numeric)
             ack = await self._request(req, hb, HeartbeatAck)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)
