@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import trio
@@ -11,7 +10,6 @@ import zmq
 import conf
 from learner.service import LearnerService, ServiceParts
 from protocol import codec
-from protocol.errors import PeerTimeout
 from protocol.messages import (
     ErrorReply,
     Goodbye,
