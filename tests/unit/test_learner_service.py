@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 
+import pytest
 import trio
 import zmq
 
 import conf
 from learner.service import LearnerService, ServiceParts
 from protocol import codec
-from protocol.errors import PeerTimeout
 from protocol.messages import (
     ErrorReply,
     Goodbye,
@@ -96,7 +95,7 @@ def run_service_with(cfg, parts, script):
     out = {}
 
     async def main():
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(svc.serve)
                 await svc.ready.wait()
@@ -112,9 +111,17 @@ def run_service_with(cfg, parts, script):
 
 def test_synchronous_run_trains_every_group_once_and_advances_versions():
     cfg = make_cfg()
-    trainer, pub, store = FakeTrainer(), FakePublisher(), []
+    trainer, pub, store, logged = FakeTrainer(), FakePublisher(), [], []
+
+    class CaptureLogger:
+        def write(self, step, metrics):
+            logged.append((step, metrics))
+
+        def close(self):
+            pass
+
     parts = ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule(),
-                         checkpointer=MemCheckpointer(trainer, store), model_path="/models/tiny")
+                         checkpointer=MemCheckpointer(trainer, store), model_path="/models/tiny", logger=CaptureLogger())
 
     async def script(svc, ctx):
         sub = configure(ctx.socket(zmq.SUB))
@@ -159,6 +166,12 @@ def test_synchronous_run_trains_every_group_once_and_advances_versions():
     assert limits == [6, 6, 6, 6, 13, 13]  # stage advances at step 2
     assert shutdown and max(versions) == 3
     assert [s for s, _ in store] == [2, 3]
+    assert [st for st, _ in logged] == [1, 2, 3]
+    for st, m in logged:  # rollout statistics describe the groups trained in that step
+        assert m["rollout/trained_groups_total"] == 2 * st
+        assert m["rollout/return"] == 0.5 and m["rollout/staleness/0"] == 2
+        assert m["loss/pg"] == pytest.approx(0.1 * st) and m["loss/grad_norm"] == 1.0
+        assert m["rollout/turn_limit"] == (6 if st <= 2 else 13)
     assert store[-1][1]["version"] == 3 and store[-1][1]["turn_limit"] == 13
 
 
@@ -200,14 +213,16 @@ def test_resume_restores_version_step_and_task_cursor():
     async def play(svc, ctx, actor):
         req = await client(ctx, svc.cfg)
         await req.request(Hello(actor_id=actor, host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
-        tasks = []
+        tasks = {}
         while svc.step < svc.cfg.learner.steps:
             g = await req.request(LeaseRequest(actor_id=actor, max_leases=4), timeout_s=5)
             for lease in g.leases:
-                tasks.append((lease.task.data_idx, lease.turn_limit, lease.policy_version))
+                tasks[lease.lease_id] = (lease.task.data_idx, lease.turn_limit, lease.policy_version)
                 await req.request(make_group(lease, actor_id=actor), timeout_s=5)
             if not g.leases:
                 await trio.sleep(0.02)
+        while not svc.stopping:  # the last step's publication and checkpoint are written
+            await trio.sleep(0.02)
         req.sock.close()
         return tasks
 
@@ -232,7 +247,7 @@ def test_resume_restores_version_step_and_task_cursor():
         svc2.linger_s, svc2.announce_every_s = 0.3, 0.2
         ctx = zmq.Context()
         try:
-            with trio.fail_after(30):
+            with trio.fail_after(60):
                 async with trio.open_nursery() as n:
                     n.start_soon(svc2.serve)
                     await svc2.ready.wait()
@@ -243,5 +258,7 @@ def test_resume_restores_version_step_and_task_cursor():
         return out
 
     second = trio.run(main)
-    assert [t[0] for t in first + second] == [t[0] for t in ref]
-    assert [t[1:] for t in second] == [(13, 2), (13, 2), (13, 3), (13, 3)]
+    # what was trained, in order: the resumed pair equals the straight run
+    done = [first[l] for l in trainer.trained] + [second[l] for l in trainer2.trained]
+    assert [t[0] for t in done] == [ref[l][0] for l in ref_trainer.trained]
+    assert [second[l][1:] for l in trainer2.trained] == [(13, 2), (13, 2), (13, 3), (13, 3)]
