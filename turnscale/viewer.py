@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
     args = ap.parse_args(argv)
+    print(f"turnscale view: indexing {args.path} ...", file=sys.stderr, flush=True)
     try:
         server = serve(args.path, args.host, args.port)
     except ViewerError as exc:

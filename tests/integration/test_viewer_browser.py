@@ -30,14 +30,22 @@ def start_viewer(path: Path) -> tuple[subprocess.Popen, str]:
     """Start ``turnscale view`` on a free port and return (process, url) once it says where it listens."""
     proc = subprocess.Popen([sys.executable, "-m", "turnscale", "view", str(path), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if " at http://127.0.0.1:" in line:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout=30)
-    if not line or " at http://127.0.0.1:" not in line[0]:
+    if not lines or " at http://127.0.0.1:" not in lines[-1]:
         proc.kill()
-        raise AssertionError(f"viewer did not start: {line}")
-    return proc, line[0].split(" at ")[1].split()[0]
+        proc.wait(timeout=10)
+        raise AssertionError(f"viewer did not start: {lines}")
+    return proc, lines[-1].split(" at ")[1].split()[0]
 
 
 def stop(proc: subprocess.Popen) -> None:
