@@ -256,15 +256,20 @@ def facets(summaries: Iterable[dict]) -> dict:
     return {**{k: sorted(v) for k, v in seen.items()}, "step_range": lo_hi["step"], "version_range": lo_hi["version"]}
 
 
+NON_METRIC_KEYS = frozenset({"step", "time", "wall_time", "timestamp"})
+"""Keys of a ``metrics.jsonl`` row that are not curves (the learner writes ``step`` and ``time``)."""
+
+
 def metric_series(rows: Iterable[dict]) -> dict[str, list[list[float]]]:
-    """``{key: [[step, value], ...]}`` for every numeric key, rows in file order (non-numbers skipped)."""
+    """``{key: [[step, value], ...]}`` for every numeric key, rows in file order (non-numbers and
+    ``NON_METRIC_KEYS`` skipped)."""
     out: dict[str, list[list[float]]] = {}
     for r in rows:
         step = r.get("step")
         if not isinstance(step, (int, float)) or isinstance(step, bool):
             continue
         for k, v in r.items():
-            if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            if k in NON_METRIC_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             if v != v or v in (float("inf"), float("-inf")):  # NaN/inf are not valid JSON for the page
                 continue

@@ -86,7 +86,7 @@ def rows(page) -> list[str]:
 
 def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
     page, errors = browser_page
-    run = write_run_dir(tmp_path / "run", steps=8, groups_per_step=2, group_size=3, seed=11)
+    run = write_run_dir(tmp_path / "run", steps=10, groups_per_step=2, group_size=3, seed=11)
     eps = run.episodes
     proc, url = start_viewer(tmp_path / "run")
     try:
@@ -95,6 +95,15 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         page.wait_for_selector("[data-testid=episode-row-0]")
         assert page.inner_text("[data-testid=counts]") == f"{len(eps)} episodes"
         assert "3 in trajectories, 1 in metrics" in page.inner_text("[data-testid=malformed]")
+
+        # pages of 50
+        assert len(eps) == 60 and rows(page) == [str(i) for i in range(50)]
+        page.click("[data-testid=next-page]")
+        page.wait_for_selector("[data-testid=episode-row-50]")
+        assert rows(page) == [str(i) for i in range(50, 60)] and page.inner_text("[data-testid=page-info]") == "51–60 of 60"
+        assert page.is_disabled("[data-testid=next-page]")
+        page.click("[data-testid=prev-page]")
+        page.wait_for_selector("[data-testid=episode-row-0]")
 
         # filter: env + success
         page.select_option("[data-testid=f-env]", "babyai")

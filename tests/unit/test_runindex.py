@@ -103,6 +103,7 @@ def test_facets_and_metric_series(tmp_path):
     run = write_run_dir(tmp_path, seed=2)
     f = facets(episode_summary(e) for e in run.episodes)
     assert f["env"] == ["babyai", "textcraft"] and f["step_range"] == [0, 5]
-    series = metric_series(run.metrics + [{"step": 9, "x": float("nan"), "flag": True}, {"no_step": 1}])
+    series = metric_series([{**m, "time": 1.7e9 + i} for i, m in enumerate(run.metrics)]
+                           + [{"step": 9, "x": float("nan"), "flag": True}, {"no_step": 1}])
     assert series["rollout/success"] == [[m["step"], m["rollout/success"]] for m in run.metrics]
-    assert "x" not in series and "flag" not in series
+    assert "x" not in series and "flag" not in series and "time" not in series

@@ -7,7 +7,7 @@ const $ = (sel) => document.querySelector(sel);
 const FILTER_KEYS = ["env", "task", "split", "category", "checkpoint", "success", "finish_reason",
   "step_min", "step_max", "version_min", "version_max", "step"];
 const PAGE = 50;
-const DEFAULT_CURVES = ["rollout/success", "rollout/return", "schedule/turn_limit"];
+const DEFAULT_CURVES = ["rollout/success", "rollout/return", "schedule/turn_limit", "rollout/turn_limit"];
 const state = { status: null, metrics: null, episode: null, selected: new Set(), selectedTask: null };
 
 function el(tag, attrs = {}, ...children) {
