@@ -145,7 +145,9 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.model:
             raise EvalError("give either --model (run) or --from-jsonl (report), not both")
         results = load_records(args.from_jsonl)
-        write_outputs(results, ks, args.pass_on, out_dir, json_path=args.json, md_path=args.markdown)
+        # one input: the report points at it, so `turnscale view OUT` shows its episodes too
+        traj = os.path.relpath(_labelled(args.from_jsonl[0])[0], out_dir.resolve()) if len(args.from_jsonl) == 1 else ""
+        write_outputs(results, ks, args.pass_on, out_dir, json_path=args.json, md_path=args.markdown, trajectories=traj)
         return 0
     if not args.model:
         raise EvalError("nothing to evaluate: give --model PATH (a checkpoint or HF model folder) or --from-jsonl FILE")

@@ -173,6 +173,8 @@ class EpisodeFilter:
     version_max: int | None = None
     step: int | None = None
     """Exactly this learner step (the curve click)."""
+    turn_limit: int | None = None
+    """Exactly this turn limit (an eval sweep's point, a ScalingInter stage)."""
 
     @staticmethod
     def from_query(q: dict[str, str]) -> "EpisodeFilter":
@@ -197,7 +199,7 @@ class EpisodeFilter:
             env=s("env"), task=s("task"), split=s("split"), category=s("category"), checkpoint=s("checkpoint"),
             finish_reason=s("finish_reason"), success=None if succ is None else succ in ("true", "1"),
             step_min=i("step_min"), step_max=i("step_max"), version_min=i("version_min"),
-            version_max=i("version_max"), step=i("step"),
+            version_max=i("version_max"), step=i("step"), turn_limit=i("turn_limit"),
         )
 
     def matches(self, e: dict) -> bool:
@@ -213,6 +215,8 @@ class EpisodeFilter:
             elif e.get("task_id") != self.task:
                 return False
         if self.success is not None and bool(e.get("success")) != self.success:
+            return False
+        if self.turn_limit is not None and e.get("turn_limit") != self.turn_limit:
             return False
         return _in_range(e.get("step"), self.step_min, self.step_max, self.step) and _in_range(
             e.get("version"), self.version_min, self.version_max, None)

@@ -4,7 +4,7 @@ A small local web app over a run directory: the page (``viewer_static/``, plain 
 external assets) talks to a JSON API served by a stdlib ``ThreadingHTTPServer``:
 
 - ``GET /api/status``: files, counts, malformed-line counts and examples, filter facets.
-- ``GET /api/episodes?env=&task=&split=&category=&checkpoint=&finish_reason=&success=&step=&step_min=&step_max=&version_min=&version_max=&offset=&limit=``:
+- ``GET /api/episodes?env=&task=&split=&category=&checkpoint=&finish_reason=&success=&turn_limit=&step=&step_min=&step_max=&version_min=&version_max=&offset=&limit=``:
   one page of episode summaries (file order), ``{"total", "offset", "limit", "items": [{"id", ...}]}``.
 - ``GET /api/episode/<id>``: the full record plus ``"id"`` and ``"same_task"`` (ids of other
   episodes of the same env + data_idx, for the compare view).
@@ -56,6 +56,8 @@ class RunSource:
         p = Path(path).expanduser()
         if p.is_dir():
             ev = p / "eval.json"
+            if ev.is_file() and not (p / "trajectories.jsonl").is_file():
+                return RunSource.resolve(ev)  # an eval output: follow its "trajectories" entry
             src = RunSource(p, p / "trajectories.jsonl", p / "metrics.jsonl", ev if ev.is_file() else None)
         elif p.is_file() and p.suffix == ".json":
             try:

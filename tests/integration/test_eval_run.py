@@ -58,7 +58,7 @@ def test_eval_cli_runs_two_turn_limits_on_a_local_server_and_writes_a_viewable_r
     doc = json.loads((out / "eval.json").read_text())
     assert doc["turns"] == [1, 2] and doc["checkpoints"] == ["tiny"] and doc["trajectories"] == "trajectories.jsonl"
     env_rows = [r for r in doc["rows"] if r["env"] == "babyai" and r["category"] == ""]
-    assert [r["turn_limit"] for r in env_rows] == [1, 2] and all(r["episodes"] + r["env_errors"] == 6 for r in env_rows)
+    assert [r["turn_limit"] for r in env_rows] == [1, 2] and all(r["episodes"] + r["errors"] == 6 for r in env_rows)
     assert (out / "turn_scaling.png").stat().st_size > 0 and (out / "pass_at_k.png").stat().st_size > 0
     copy = json.loads((tmp_path / "copy.json").read_text())
     assert (tmp_path / copy["trajectories"]).resolve() == (out / "trajectories.jsonl").resolve()

@@ -143,6 +143,10 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         assert page.is_disabled("[data-testid=turn-next]")
         page.click("[data-testid=turn-first]")
         page.wait_for_function("() => document.querySelector('[data-testid=turn]').dataset.turn === '0'")
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function("() => document.querySelector('[data-testid=turn]').dataset.turn === '1'")
+        page.keyboard.press("ArrowLeft")
+        page.wait_for_function("() => document.querySelector('[data-testid=turn]').dataset.turn === '0'")
 
         # compare with a sibling of the same task
         sibling = int(page.locator("[data-testid=same-task] option").first.get_attribute("value"))
@@ -181,6 +185,15 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         page.goto(url + "#/?step=3")
         page.wait_for_selector("[data-testid=episode-row-" + want[0] + "]")
         save_shot(page, tmp_path, "viewer-step.png")
+
+        # a live run grows: reload picks up the new episode
+        import json
+
+        with open(run.path / "trajectories.jsonl", "a") as f:
+            f.write(json.dumps({**eps[0], "step": 3}) + "\n")
+        page.click("[data-testid=reload]")
+        page.wait_for_function("n => document.querySelector('[data-testid=counts]').textContent === n + ' episodes'", arg=len(eps) + 1)
+        page.wait_for_selector(f"[data-testid=episode-row-{len(eps)}]")
         assert errors == []
     finally:
         stop(proc)
@@ -189,14 +202,17 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
 def test_eval_report_page_shows_every_row(tmp_path, browser_page):
     from turnscale.evaluate import main as eval_main
 
-    page, errors = browser_page
-    run = write_run_dir(tmp_path / "run", seed=4, group_size=4)
-    out = tmp_path / "eval"
-    assert eval_main(["--from-jsonl", f"{run.path}/trajectories.jsonl=base", "--k", "1,2", "--out", str(out)]) == 0
     import json
 
+    page, errors = browser_page
+    run = write_run_dir(tmp_path / "run", seed=4, group_size=4, malformed=False)
+    traj = run.path / "trajectories.jsonl"
+    traj.write_text("".join(json.dumps({**e, "checkpoint": "base", "sample": e["episode"]}) + "\n" for e in run.episodes))
+    out = tmp_path / "eval"
+    assert eval_main(["--from-jsonl", str(traj), "--k", "1,2", "--out", str(out)]) == 0
     doc = json.loads((out / "eval.json").read_text())
-    proc, url = start_viewer(out / "eval.json")
+    assert doc["trajectories"] == "../run/trajectories.jsonl"
+    proc, url = start_viewer(out)
     try:
         page.goto(url)
         page.wait_for_selector("[data-testid=nav-eval]:not([hidden])")
@@ -206,10 +222,18 @@ def test_eval_report_page_shows_every_row(tmp_path, browser_page):
             "trs => trs.map(tr => [...tr.children].map(td => td.textContent))")
         assert len(cells) == len(doc["rows"])
         first = doc["rows"][0]
-        assert cells[0][:4] == [first["checkpoint"], str(first["turn_limit"]), first["env"], "(all)"]
-        assert float(cells[0][6]) == round(first["success"], 3)
+        assert cells[0][1:5] == [first["checkpoint"], str(first["turn_limit"]), first["env"], "(all)"]
+        assert float(cells[0][7]) == round(first["success"], 3)
         assert "Pass@2" in page.inner_text("[data-testid=eval-table] thead")
         save_shot(page, tmp_path, "viewer-eval.png")
+
+        # a row links to its episodes
+        page.click("[data-testid=eval-link-0]")
+        want = [i for i, e in enumerate(run.episodes) if e["turn_limit"] == first["turn_limit"] and e["env"] == first["env"]]
+        page.wait_for_function("n => document.querySelector('[data-testid=list-total]').textContent === n + ' matching'", arg=len(want))
+        assert len(want) == first["episodes"] + first["errors"]
+        assert page.input_value("[data-testid=f-turn-limit]") == str(first["turn_limit"])
+        assert page.input_value("[data-testid=f-checkpoint]") == "base"
         assert errors == []
     finally:
         stop(proc)

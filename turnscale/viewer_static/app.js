@@ -4,7 +4,7 @@
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
-const FILTER_KEYS = ["env", "task", "split", "category", "checkpoint", "success", "finish_reason",
+const FILTER_KEYS = ["env", "task", "split", "category", "checkpoint", "success", "finish_reason", "turn_limit",
   "step_min", "step_max", "version_min", "version_max", "step"];
 const PAGE = 50;
 const DEFAULT_CURVES = ["rollout/success", "rollout/return", "schedule/turn_limit", "rollout/turn_limit"];
@@ -321,14 +321,22 @@ async function showEval() {
   const rep = await api("/api/eval");
   const rows = rep.rows || [];
   const ks = rep.k || [];
-  const head = ["checkpoint", "turn limit", "env", "category", "tasks", "episodes", "success", "mean reward", "mean turns",
+  const head = ["", "checkpoint", "turn limit", "env", "category", "tasks", "episodes", "success", "mean reward", "mean turns",
     ...ks.map((k) => `Avg@${k}`), ...ks.map((k) => `Pass@${k}`)];
   const table = el("table", { class: "grid", "data-testid": "eval-table" },
     el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { text: h })))),
-    el("tbody", {}, ...rows.map((r) => el("tr", {},
+    el("tbody", {}, ...rows.map((r, i) => el("tr", { "data-testid": `eval-row-${i}` },
+      el("td", {}, el("a", { href: evalLink(r), "data-testid": `eval-link-${i}`, text: "episodes" })),
       ...[r.checkpoint, r.turn_limit, r.env, r.category || "(all)", r.tasks, r.episodes, r.success, r.mean_reward, r.mean_turns,
         ...ks.map((k) => (r.avg_at_k || {})[k]), ...ks.map((k) => (r.pass_at_k || {})[k])].map((v) => el("td", { text: fmt(v) }))))));
   $("#eval-body").replaceChildren(el("p", { class: "hint", text: rep.pass_rule || "" }), table);
+}
+
+function evalLink(r) {
+  const f = { checkpoint: r.checkpoint, turn_limit: r.turn_limit };
+  if (r.env) f.env = r.env;
+  if (r.category) f.category = r.category;
+  return listHash(f, 0);
 }
 
 // ------------------------------------------------------------------ router
@@ -365,6 +373,16 @@ function wire() {
     drawCharts(query.get("step") !== null ? Number(query.get("step")) : null);
   });
   window.addEventListener("hashchange", route);
+  $("#reload").addEventListener("click", async () => {
+    state.episode = null;
+    try { await loadStatus(); await loadMetrics(); } catch (e) { showError(e.message); return; }
+    await route();
+  });
+  document.addEventListener("keydown", (ev) => {
+    if ($("#view-episode").hidden || ["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName)) return;
+    if (ev.key === "ArrowRight" && !$("#turn-next").disabled) $("#turn-next").click();
+    if (ev.key === "ArrowLeft" && !$("#turn-prev").disabled) $("#turn-prev").click();
+  });
 }
 
 (async function start() {
