@@ -113,6 +113,25 @@ class Progress:
                   f"{rate:.2f} ep/s", end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
 
 
+# ----------------------------------------------------------------------------- models
+
+
+def resolve_model_dir(path: str) -> str:
+    """The HF model folder ``path`` stands for: the folder itself (it has ``config.json``), a learner
+    checkpoint ``step-N/`` (its ``model/``), or a checkpoint root (the highest ``step-N/model``)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return str(p)
+    if (p / "model" / "config.json").is_file():
+        return str(p / "model")
+    steps = sorted((int(c.name[5:]), c) for c in p.glob("step-*") if c.name[5:].isdigit() and (c / "model" / "config.json").is_file()) if p.is_dir() else []
+    if steps:
+        return str(steps[-1][1] / "model")
+    if not p.exists():
+        raise EvalRunError(f"--model {path}: no such folder; give a checkpoint or HF model folder (nothing is downloaded)")
+    raise EvalRunError(f"--model {path}: no config.json there, in model/, or in a step-N/model/ below it")
+
+
 # ----------------------------------------------------------------------------- playing
 
 
@@ -239,9 +258,7 @@ def run_eval(cfg: Any, models: list[tuple[str, str]], task_ids: list[int], *, sa
         from actors.episode import run_episode  # noqa: F401
     except ImportError as exc:
         raise EvalNotBuilt(f"turnscale eval: running models needs the actor code ({exc.name} is missing)") from None
-    for path, _ in models:
-        if not os.path.isdir(path):
-            raise EvalRunError(f"--model {path}: no such folder; give a checkpoint or HF model folder (nothing is downloaded)")
+    models = [(resolve_model_dir(path), label) for path, label in models]
     if pool_factory is make_pool:
         _require_client()
     jobs = plan(task_ids, samples, turn_limits)

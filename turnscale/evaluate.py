@@ -47,8 +47,12 @@ def _int_list(s: str, name: str) -> list[int]:
 def _labelled(spec: str) -> tuple[str, str]:
     """``PATH=LABEL`` or ``PATH`` (label: the folder or file name)."""
     path, _, label = spec.partition("=")
-    p = Path(path)
-    return path, label or (p.stem if p.suffix == ".jsonl" and p.stem != "trajectories" else (p.parent.name if p.suffix else p.name)) or path
+    if label:
+        return path, label
+    p = Path(path.rstrip("/"))
+    if p.suffix == ".jsonl":
+        return path, p.parent.name if p.stem == "trajectories" else p.stem
+    return path, p.name or path
 
 
 def build_parser() -> argparse.ArgumentParser:
