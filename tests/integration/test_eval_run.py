@@ -91,3 +91,20 @@ def test_eval_with_an_unreachable_env_url_fails_with_a_clear_message(tmp_path, t
            "++env.url=http://127.0.0.1:9"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not answer GET /health" in proc.stderr
+
+
+@pytest.mark.slow
+def test_eval_runs_two_env_families_in_one_report(tmp_path, tiny_model_dir):
+    pytest.importorskip("envhub.textcraft", reason="the TextCraft env family is not in this build")
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "turnscale", "eval", "--model", f"{tiny_model_dir}=tiny", "--env", "babyai,textcraft",
+           "--tasks", "0:2", "--turns", "1", "--out", str(out), "--no-progress",
+           "++sampling.max_new_tokens=8", "++sampling.max_context_tokens=3000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "eval.json").read_text())
+    overall = [(r["env"], r["category"]) for r in doc["rows"] if r["category"] == ""]
+    assert overall == [("babyai", ""), ("textcraft", ""), ("", "")]
+    recs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted((r["env"], r["data_idx"]) for r in recs) == [("babyai", 0), ("babyai", 1), ("textcraft", 0), ("textcraft", 1)]
+    assert all(r["category"] for r in recs)
