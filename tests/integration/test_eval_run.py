@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -94,8 +95,8 @@ def test_eval_with_an_unreachable_env_url_fails_with_a_clear_message(tmp_path, t
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("envhub.textcraft") is None, reason="the TextCraft env family is not in this build")
 def test_eval_runs_two_env_families_in_one_report(tmp_path, tiny_model_dir):
-    pytest.importorskip("envhub.textcraft", reason="the TextCraft env family is not in this build")
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "turnscale", "eval", "--model", f"{tiny_model_dir}=tiny", "--env", "babyai,textcraft",
            "--tasks", "0:2", "--turns", "1", "--out", str(out), "--no-progress",
