@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mimetypes
 import sys
 import threading
@@ -84,7 +85,22 @@ class Response:
 
 
 def _json(status: int, obj: object) -> Response:
-    return Response(status, json.dumps(obj, allow_nan=False, default=str).encode())
+    """JSON the browser can parse: NaN and infinities (which Python writes into JSONL) become null."""
+    try:
+        body = json.dumps(obj, allow_nan=False, default=str)
+    except ValueError:
+        body = json.dumps(_finite(obj), allow_nan=False, default=str)
+    return Response(status, body.encode())
+
+
+def _finite(obj: object) -> object:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 class ViewerApp:

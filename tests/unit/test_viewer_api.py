@@ -105,3 +105,20 @@ def test_a_path_with_nothing_to_show_is_a_clear_error(tmp_path):
         RunSource.resolve(tmp_path / "missing")
     with pytest.raises(ViewerError, match="neither"):
         RunSource.resolve(tmp_path)
+
+
+def test_nan_and_infinity_in_records_are_served_as_null(tmp_path):
+    run = write_run_dir(tmp_path, malformed=False)
+    ep = {**run.episodes[0], "reward": float("nan")}
+    ep["turns"] = [{**ep["turns"][0], "logprob_min": float("-inf")}]
+    with open(tmp_path / "trajectories.jsonl", "a") as f:
+        f.write(json.dumps(ep) + "\n")  # Python writes NaN / -Infinity
+    server = serve(tmp_path)
+    try:
+        n = len(run.episodes)
+        code, rec = get(server.url + f"api/episode/{n}")
+        assert code == 200 and rec["reward"] is None and rec["turns"][0]["logprob_min"] is None
+        code, page = get(server.url + f"api/episodes?offset={n}")
+        assert code == 200 and page["items"][0]["reward"] is None
+    finally:
+        server.close()
