@@ -50,10 +50,14 @@ def format_table(rows: Sequence[ReportRow], ks: Sequence[int]) -> str:
     return "\n".join(out)
 
 
-def format_markdown(rows: Sequence[ReportRow], ks: Sequence[int], pass_on: str, plots: Sequence[str] = ()) -> str:
-    """A Markdown report: the table, the definitions, and the plots (relative paths)."""
+def format_markdown(rows: Sequence[ReportRow], ks: Sequence[int], pass_on: str, plots: Sequence[str] = (),
+                    config: dict | None = None) -> str:
+    """A Markdown report: what was run, the table, the definitions, and the plots (relative paths)."""
     head = _header(ks)
-    lines = ["# turnscale eval", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = ["# turnscale eval", ""]
+    if config:
+        lines += [f"- {k}: `{json.dumps(v)}`" for k, v in config.items()] + [""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_cells(r, ks)) + " |" for r in rows]
     lines += ["", f"Pass rule: {PASS_RULES[pass_on]}. Pass@k is the unbiased estimate 1 - C(n-c,k)/C(n,k) "
               "from n samples per task with c passes (equal to AgentGym-RL's max-score > 0 when n = k); "

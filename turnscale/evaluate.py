@@ -112,7 +112,7 @@ def write_outputs(results: list[EpisodeResult], ks: list[int], pass_on: str, out
                          plot_pass_at_k(rows, ks, out_dir / "pass_at_k.png")) if p is not None]
     doc = report_json(rows, ks, pass_on, trajectories=trajectories, config=config)
     write_json(out_dir / "eval.json", doc)
-    md = format_markdown(rows, ks, pass_on, [p.name for p in plots])
+    md = format_markdown(rows, ks, pass_on, [p.name for p in plots], config)
     (out_dir / "report.md").write_text(md)
     if json_path:
         extra = dict(doc)
@@ -121,7 +121,7 @@ def write_outputs(results: list[EpisodeResult], ks: list[int], pass_on: str, out
         write_json(json_path, extra)
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(md_path).write_text(format_markdown(rows, ks, pass_on, [os.path.relpath(p, Path(md_path).resolve().parent) for p in plots]))
+        Path(md_path).write_text(format_markdown(rows, ks, pass_on, [os.path.relpath(p, Path(md_path).resolve().parent) for p in plots], config))
     print(format_table(rows, ks))
     for p in plots:
         print(f"plot: {p}")

@@ -33,6 +33,8 @@ from turnscale.runindex import EpisodeFilter, FilterError, JsonlIndex, episode_s
 
 STATIC_DIR = Path(__file__).with_name("viewer_static")
 STATIC_FILES = ("index.html", "app.js", "app.css")
+PLOT_FILES = ("turn_scaling.png", "pass_at_k.png")
+"""Plots ``turnscale eval`` writes beside its report; served from the eval JSON's folder only."""
 MAX_PAGE = 500
 MAX_SAME_TASK = 200
 
@@ -124,6 +126,8 @@ class ViewerApp:
                 return self._static("index.html")
             if path.startswith("/static/"):
                 return self._static(path[len("/static/"):])
+            if path.startswith("/plots/"):
+                return self._plot(path[len("/plots/"):])
             if path.startswith("/api/"):
                 self.refresh()
                 return self._api(path[len("/api/"):], query)
@@ -138,6 +142,15 @@ class ViewerApp:
         if ctype.startswith("text/") or ctype.endswith("javascript"):
             ctype += "; charset=utf-8"
         return Response(200, (STATIC_DIR / name).read_bytes(), ctype)
+
+    def plots(self) -> list[str]:
+        ev = self.source.eval_json
+        return [n for n in PLOT_FILES if ev is not None and (ev.parent / n).is_file()]
+
+    def _plot(self, name: str) -> Response:
+        if name not in self.plots():
+            return _json(404, {"error": f"no such plot {name!r}"})
+        return Response(200, (self.source.eval_json.parent / name).read_bytes(), "image/png")
 
     def _api(self, route: str, q: dict[str, str]) -> Response:
         if route == "status":
@@ -163,6 +176,7 @@ class ViewerApp:
                 "trajectories": str(src.trajectories) if src.trajectories.is_file() else None,
                 "metrics": str(src.metrics) if src.metrics.is_file() else None,
                 "eval": str(src.eval_json) if src.eval_json else None,
+                "plots": self.plots(),
             },
             "episodes": len(self.episodes),
             "bytes_indexed": self.episodes.scanned,

@@ -223,8 +223,12 @@ def test_eval_report_page_shows_every_row(tmp_path, browser_page):
         assert len(cells) == len(doc["rows"])
         first = doc["rows"][0]
         assert cells[0][1:5] == [first["checkpoint"], str(first["turn_limit"]), first["env"], "(all)"]
-        assert float(cells[0][7]) == round(first["success"], 3)
+        assert float(cells[0][8]) == round(first["success"], 3)
+        last = doc["rows"][-1]
+        assert last["env"] == "" and cells[-1][3:5] == ["(all)", "(all)"]  # the all-envs row
         assert "Pass@2" in page.inner_text("[data-testid=eval-table] thead")
+        for plot in ("turn_scaling.png", "pass_at_k.png"):  # the report's plots, loaded from the server
+            page.wait_for_function("t => { const i = document.querySelector(`[data-testid='plot-${t}']`); return i && i.complete && i.naturalWidth > 100; }", arg=plot)
         save_shot(page, tmp_path, "viewer-eval.png")
 
         # a row links to its episodes

@@ -96,6 +96,7 @@ def test_an_eval_json_is_a_source_with_its_report(tmp_path):
     try:
         code, rep = get(server.url + "api/eval")
         assert code == 200 and rep["k"] == [1]
+        assert get(server.url + "plots/turn_scaling.png")[0] == 404  # none written beside this report
     finally:
         server.close()
 

@@ -321,15 +321,17 @@ async function showEval() {
   const rep = await api("/api/eval");
   const rows = rep.rows || [];
   const ks = rep.k || [];
-  const head = ["", "checkpoint", "turn limit", "env", "category", "tasks", "episodes", "success", "mean reward", "mean turns",
+  const head = ["", "checkpoint", "turn limit", "env", "category", "tasks", "episodes", "errors", "success", "mean reward", "mean turns",
     ...ks.map((k) => `Avg@${k}`), ...ks.map((k) => `Pass@${k}`)];
   const table = el("table", { class: "grid", "data-testid": "eval-table" },
     el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { text: h })))),
     el("tbody", {}, ...rows.map((r, i) => el("tr", { "data-testid": `eval-row-${i}` },
       el("td", {}, el("a", { href: evalLink(r), "data-testid": `eval-link-${i}`, text: "episodes" })),
-      ...[r.checkpoint, r.turn_limit, r.env, r.category || "(all)", r.tasks, r.episodes, r.success, r.mean_reward, r.mean_turns,
+      ...[r.checkpoint, r.turn_limit, r.env || "(all)", r.category || "(all)", r.tasks, r.episodes, r.errors, r.success, r.mean_reward, r.mean_turns,
         ...ks.map((k) => (r.avg_at_k || {})[k]), ...ks.map((k) => (r.pass_at_k || {})[k])].map((v) => el("td", { text: fmt(v) }))))));
-  $("#eval-body").replaceChildren(el("p", { class: "hint", text: rep.pass_rule || "" }), table);
+  const plots = ((state.status || {}).files || {}).plots || [];
+  $("#eval-body").replaceChildren(el("p", { class: "hint", text: rep.pass_rule || "" }), table,
+    el("div", { class: "plots" }, ...plots.map((n) => el("img", { src: `/plots/${n}`, alt: n, "data-testid": `plot-${n}` }))));
 }
 
 function evalLink(r) {
