@@ -77,23 +77,22 @@ class JsonlIndex:
             added = 0
             with open(self.path, "rb") as f:
                 f.seek(self.scanned)
-                pending = b""
-                pos = self.scanned
+                parts: list[bytes] = []  # pieces of the current, still unfinished line
                 while True:
                     chunk = f.read(chunk_bytes)
                     if not chunk:
                         break
-                    data = pending + chunk
                     start = 0
-                    while True:
-                        nl = data.find(b"\n", start)
-                        if nl < 0:
-                            break
-                        added += self._add_line(data[start:nl], pos + start)
+                    nl = chunk.find(b"\n")
+                    while nl >= 0:
+                        line = b"".join(parts) + chunk[start:nl] if parts else chunk[start:nl]
+                        parts = []
+                        added += self._add_line(line, self.scanned)
+                        self.scanned += len(line) + 1
                         start = nl + 1
-                    pos += start
-                    pending = data[start:]
-                    self.scanned = pos
+                        nl = chunk.find(b"\n", start)
+                    if start < len(chunk):
+                        parts.append(chunk[start:])
             return added
 
     def _reset(self) -> None:
