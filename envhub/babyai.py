@@ -90,6 +90,8 @@ REGISTERED = {"BabyAI-GoToObjS6-v0": "BabyAI-GoToObjS6-v1"}
 """Levels whose v0 minigrid 3.x retired: the gymnasium id we make (the name stays the category)."""
 
 SEEDS_PER_PASS = 100
+LEVEL_CACHE = 4
+"""Built minigrid envs kept per instance (a reset to a new level costs a ``gym.make``)."""
 LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE, DONE = 0, 1, 2, 3, 4, 5, 6
 PICKABLE = ("key", "ball", "box")
 DESCRIBED = ("door", "key", "ball", "box", "goal", "lava")
@@ -342,21 +344,29 @@ class BabyAIEnv:
         self.done = False
         self.on_primitive: Callable[[int], None] | None = None
         """Called after every primitive step (the oracle keeps its bot in sync through it)."""
+        self._oracle: Any = None
 
     @property
     def unwrapped(self) -> Any:
         return self.env.unwrapped
 
     def _make(self, level: str) -> Any:
-        if level not in self._envs:
+        """The minigrid env of ``level``; the last ``LEVEL_CACHE`` levels stay built (LRU)."""
+        env = self._envs.pop(level, None)
+        if env is None:
             import gymnasium as gym
             import minigrid  # noqa: F401  (registers the BabyAI levels)
 
-            self._envs[level] = gym.make(REGISTERED.get(level, level), disable_env_checker=True)
-        return self._envs[level]
+            env = gym.make(REGISTERED.get(level, level), disable_env_checker=True)
+        self._envs[level] = env
+        while len(self._envs) > LEVEL_CACHE:
+            oldest = next(iter(self._envs))
+            self._envs.pop(oldest).close()
+        return env
 
     def reset(self, data_idx: int) -> ResetResult:
         self.level, self.seed = task_for(data_idx)
+        self._oracle, self.on_primitive = None, None
         self.env = self._make(self.level)
         with contextlib.redirect_stdout(io.StringIO()):  # some levels print while generating
             self.env.reset(seed=self.seed)
@@ -403,6 +413,17 @@ class BabyAIEnv:
 
     def observation(self) -> str:
         return self.obs_text
+
+    def expert_action(self) -> str:
+        """The oracle's next high-level action (``envhub.babyai_oracle``); it attaches on the
+        first call of an episode, so call it from the first turn to follow it throughout."""
+        if self.env is None:
+            raise RuntimeError("expert_action before reset")
+        if self._oracle is None:
+            from envhub.babyai_oracle import BabyAIOracle
+
+            self._oracle = BabyAIOracle(self)
+        return self._oracle.next_action()
 
     def close(self) -> None:
         for env in self._envs.values():

@@ -254,6 +254,7 @@ def play_oracle(data_idx: int, max_turns: int = 64) -> OracleRun:
     env = BabyAIEnv()
     obs = env.reset(data_idx).observation
     oracle = BabyAIOracle(env)
+    env._oracle = oracle
     steps, success, ret = [], False, 0.0
     try:
         for _ in range(max_turns):

@@ -143,9 +143,9 @@ class InstanceTable:
             inst.users -= 1
 
     def _check_state(self, inst: Instance, kind: str) -> None:
-        if kind in ("step", "observation") and inst.state == "new":
+        if kind in ("step", "observation", "expert") and inst.state == "new":
             raise ApiError(409, "not_reset", f"env instance {inst.id} has no episode yet; call POST /reset first")
-        if kind == "step" and inst.state == "done":
+        if kind in ("step", "expert") and inst.state == "done":
             raise ApiError(409, "episode_done", f"the episode of env instance {inst.id} has ended; call POST /reset to start a new one")
 
     # -- operations ------------------------------------------------------------------
@@ -186,6 +186,14 @@ class InstanceTable:
     async def observation(self, env_id: int) -> str:
         inst = self._get(env_id)
         return await self._run(inst, "observation", inst.env.observation)
+
+    async def expert(self, env_id: int) -> str:
+        """The env's expert action (envs with an ``expert_action()`` method only: else 501)."""
+        inst = self._get(env_id)
+        fn = getattr(inst.env, "expert_action", None)
+        if fn is None:
+            raise ApiError(501, "no_expert", f"env {self.family.name!r} has no expert; GET /expert is not available")
+        return await self._run(inst, "expert", fn)
 
     async def close(self, env_id: int) -> None:
         """Idempotent for any id this server handed out; 404 for ids it never did."""
@@ -245,4 +253,5 @@ class InstanceTable:
             "errors": dict(self.errors),
             "latency": {k: v.summary() for k, v in self.latency.items()},
             "uptime_s": round(time.time() - self.started, 3),
+            "cpu_s": round(time.process_time(), 4),
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 SHORTHANDS = {"host": "env.host", "port": "env.port"}
@@ -53,13 +54,26 @@ def main(argv: list[str] | None = None) -> int:
 def serve(env_cfg) -> int:
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM after its graceful shutdown (exit -15);
+        an envhub stopped by SIGTERM has shut down cleanly and exits 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals.remove(sig)
+
     from envhub.registry import make_family
     from envhub.server import create_app
 
+    # Env calls run in ``env.options.server_threads`` worker threads (default 8);
+    # ``env.options.switch_interval_s`` sets the GIL switch interval (Python's default 5 ms).
+    if "switch_interval_s" in env_cfg.options:
+        sys.setswitchinterval(float(env_cfg.options["switch_interval_s"]))
     family = make_family(env_cfg)
-    app = create_app(family, env_cfg)
+    app = create_app(family, env_cfg, threads=int(env_cfg.options.get("server_threads", 8)))
     config = uvicorn.Config(app, host=env_cfg.host, port=env_cfg.port, log_level="warning", access_log=False, timeout_keep_alive=75, lifespan="on")
-    server = uvicorn.Server(config)
+    server = _Server(config)
     logging.getLogger("envhub").info("serving %s on http://%s:%d", env_cfg.name, env_cfg.host, env_cfg.port)
     server.run()
     return 0 if server.started else 1

@@ -1,0 +1,100 @@
+"""BabyAI env in process: task mapping, determinism, text view, actions, reward."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("minigrid")
+
+from envhub.babyai import LEVELS, BabyAIEnv, View, find_path, normalise_action, task_for
+
+
+def test_forty_agentgym_levels_map_by_modulo_and_seed():
+    assert len(LEVELS) == 40 and len(set(LEVELS)) == 40
+    assert LEVELS[0] == "BabyAI-GoToRedBallGrey-v0" and LEVELS[-1] == "BabyAI-BossLevelNoUnlock-v0"
+    assert task_for(0) == (LEVELS[0], 0)
+    assert task_for(41) == (LEVELS[1], 1)
+    assert task_for(40 * 7 + 39) == (LEVELS[39], 7)
+    with pytest.raises(ValueError):
+        task_for(-1)
+
+
+def test_every_level_resets_with_goal_and_action_list():
+    env = BabyAIEnv()
+    for idx in range(40):
+        out = env.reset(idx)
+        assert out.observation.startswith("Your goal: ")
+        assert "Available actions: [" in out.observation and '"check available actions"' in out.observation
+        assert out.info["category"] == LEVELS[idx]
+    env.close()
+
+
+def test_same_task_gives_same_episode_in_fresh_instances():
+    a, b = BabyAIEnv(), BabyAIEnv()
+    for idx in (3, 45, 118):
+        assert a.reset(idx).observation == b.reset(idx).observation
+        for act in ("turn left", "move forward", "turn right", "move forward"):
+            assert a.step(act).observation == b.step(act).observation
+
+
+def test_invalid_action_is_a_normal_step_that_lists_actions():
+    env = BabyAIEnv()
+    env.reset(1)
+    out = env.step("fly to the moon")
+    assert not out.done and out.reward == 0 and out.info["action_valid"] is False
+    assert "not recognized" in out.observation and "Available actions:" in out.observation
+    out = env.step("pickup purple unicorn 9")
+    assert out.info["action_valid"] is False
+
+
+def test_check_available_actions_changes_nothing():
+    env = BabyAIEnv()
+    env.reset(1)
+    before = env.unwrapped.step_count
+    out = env.step("Check available actions")
+    assert out.observation.startswith("You can take the following actions: turn left, turn right")
+    assert env.unwrapped.step_count == before
+
+
+def test_go_to_target_succeeds_with_minigrid_reward():
+    env = BabyAIEnv()
+    out = env.reset(1)  # GoToRedBall seed 0: the red ball is in view
+    assert "red ball 1" in out.observation
+    step = env.step("  Go to red ball 1. ")
+    u = env.unwrapped
+    assert step.done and step.info["success"] and not step.truncated
+    assert step.reward == pytest.approx(1 - 0.9 * u.step_count / u.max_steps)
+    assert step.extra["score"] == pytest.approx(step.reward)
+    assert "The task is completed." in step.observation
+
+
+def test_object_numbers_in_actions_match_the_description():
+    env = BabyAIEnv()
+    env.reset(1)
+    for o in env.view.objects:
+        assert f"There is a {o.name} {o.k} " in env.obs_text
+        if o.kind != "goal" and f"go to {o.name} {o.k}" not in env.actions:
+            assert f"go to {o.name} {o.k}" in env.why
+
+
+def test_normalise_action():
+    assert normalise_action('  Turn   LEFT. ') == "turn left"
+    assert normalise_action('"move forward"') == "move forward"
+
+
+def _view(passable, size=7):
+    return View(size, frozenset(passable), (), None, None, None)
+
+
+def test_find_path_goes_straight_then_turns():
+    # agent at (3, 6) facing up (-j); corridor up to (3, 4), then right to (4, 4)
+    view = _view({(3, 5), (3, 4), (4, 4)})
+    assert find_path(view, (3, 5), arrive=False) == []
+    assert find_path(view, (3, 4), arrive=True) == [2, 2]
+    assert find_path(view, (5, 4), arrive=False) == [2, 2, 1, 2]
+
+
+def test_find_path_never_crosses_unseen_or_blocked_cells():
+    view = _view({(3, 5)})
+    assert find_path(view, (3, 3), arrive=True) is None
+    assert find_path(view, (2, 6), arrive=False) == [0]

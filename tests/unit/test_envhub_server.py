@@ -1,0 +1,132 @@
+"""The server's contract with a fake env family (ASGI in process): error shapes, broken
+instances, parsing rules.  The same contract against the real process: integration tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from envhub.base import ResetResult, StepResult
+from envhub.main import rewrite_overrides
+from envhub.server import create_app
+
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+
+class FakeEnv:
+    def __init__(self) -> None:
+        self.n = 0
+        self.idx = -1
+
+    def reset(self, data_idx):
+        self.n, self.idx = 0, data_idx
+        return ResetResult(f"task {data_idx}", {"category": "fake"}, {"score": 0.0})
+
+    def step(self, action):
+        if action == "explode":
+            raise RuntimeError("secret internal detail")
+        self.n += 1
+        done = action == "finish"
+        return StepResult(f"{self.idx}:{self.n}:{action}", 1.0 if done else 0.0, done, False, {"success": done}, {"score": float(done)})
+
+    def observation(self):
+        return f"{self.idx}:{self.n}"
+
+    def close(self):
+        pass
+
+
+class FakeFamily:
+    name = "fake"
+
+    def create(self):
+        return FakeEnv()
+
+    def num_tasks(self):
+        return 10
+
+    def close(self):
+        pass
+
+
+class Cfg:
+    max_instances = 3
+    idle_timeout_s = 60.0
+    max_env_steps = 0
+
+
+@pytest.fixture()
+def client():
+    with TestClient(create_app(FakeFamily(), Cfg()), raise_server_exceptions=False) as c:
+        yield c
+
+
+def test_internal_failure_is_500_without_trace_then_instance_is_broken(client):
+    i = client.post("/create").json()["id"]
+    client.post("/reset", json={"id": i, "data_idx": 0})
+    r = client.post("/step", json={"id": i, "action": "explode"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "env_error"
+    assert "Traceback" not in r.text and "secret internal detail" not in r.text
+    for path, body in (("/step", {"id": i, "action": "x"}), ("/reset", {"id": i, "data_idx": 1})):
+        r = client.post(path, json=body)
+        assert r.status_code == 410 and "close it" in r.json()["error"]["message"]
+    assert client.post("/close", json={"id": i}).json() is True
+    assert client.post("/step", json={"id": i, "action": "x"}).status_code == 404
+
+
+def test_searchqa_shape_env_idx_names_instance_and_id_names_task(client):
+    i = client.post("/create", json={"id": 0}).json()["env_idx"]
+    r = client.post("/reset", json={"env_idx": i, "id": 7}).json()
+    assert r["observation"] == "task 7" and r["id"] == i and r["done"] is False and r["reward"] == 0
+    assert client.post("/step", json={"env_idx": i, "action": "a"}).json()["observation"] == "7:1:a"
+    r = client.post("/reset", json={"env_idx": i, "idx": 5}).json()
+    assert r["observation"] == "task 5"
+
+
+def test_step_reply_keeps_agentgym_fields(client):
+    i = client.post("/create").json()["id"]
+    client.post("/reset", json={"id": i, "data_idx": 2})
+    r = client.post("/step", json={"id": i, "action": "finish"}).json()
+    assert r == {"score": 1.0, "observation": "2:1:finish", "reward": 1.0, "done": True, "truncated": False, "info": {"success": True}}
+    assert client.get(f"/observation?id={i}").json() == "2:1"
+
+
+def test_validation_errors_use_our_shape_not_fastapis(client):
+    for body in (b"{", b"[1]", b'"x"', b"", b'{"id": "abc", "action": "x"}', b'{"id": true, "action": "x"}', b'{"id": 0}', b'{"action": "x"}', b'{"id": 0, "action": 5}', b'{"id": -1, "action": "x"}'):
+        r = client.post("/step", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, body
+        err = r.json()["error"]
+        assert set(err) == {"code", "message"} and err["message"]
+
+
+def test_unknown_route_and_method_are_json_errors(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_route"
+    r = client.get("/step")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_host_and_port_shorthands_become_env_keys():
+    assert rewrite_overrides(["env=babyai", "host=0.0.0.0", "port=9000", "env.max_instances=3"]) == ["env=babyai", "++env.host=0.0.0.0", "++env.port=9000", "env.max_instances=3"]
+
+
+def test_env_without_expert_answers_501(client):
+    i = client.post("/create").json()["id"]
+    client.post("/reset", json={"id": i, "data_idx": 0})
+    r = client.get(f"/expert?id={i}")
+    assert r.status_code == 501 and r.json()["error"]["code"] == "no_expert"
+
+
+def test_server_step_cap_truncates_episode():
+    class Capped(Cfg):
+        max_env_steps = 2
+
+    with TestClient(create_app(FakeFamily(), Capped()), raise_server_exceptions=False) as c:
+        i = c.post("/create").json()["id"]
+        c.post("/reset", json={"id": i, "data_idx": 0})
+        assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
+        r = c.post("/step", json={"id": i, "action": "a"}).json()
+        assert r["done"] is True and r["truncated"] is True and r["info"]["success"] is False
+        assert c.post("/step", json={"id": i, "action": "a"}).status_code == 409
+        c.post("/reset", json={"id": i, "data_idx": 1})  # a new episode gets a fresh budget
+        assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
