@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"turnscale view: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"turnscale view: listening on {args.host}: anyone who can reach it can read these trajectories", file=sys.stderr)
     print(f"turnscale view: serving {args.path} at {server.url} (Ctrl-C to stop)", flush=True)
     try:
         server.thread.join()

@@ -95,6 +95,7 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         page.wait_for_selector("[data-testid=episode-row-0]")
         assert page.inner_text("[data-testid=counts]") == f"{len(eps)} episodes"
         assert "3 in trajectories, 1 in metrics" in page.inner_text("[data-testid=malformed]")
+        assert "no-ckpt" in page.get_attribute("[data-testid=episodes]", "class")  # a training run has no checkpoint column
 
         # pages of 50
         assert len(eps) == 60 and rows(page) == [str(i) for i in range(50)]
@@ -233,6 +234,7 @@ def test_eval_report_page_shows_every_row(tmp_path, browser_page):
 
         # a row links to its episodes
         page.click("[data-testid=eval-link-0]")
+        page.wait_for_selector("[data-testid=episodes]:not(.no-ckpt)")  # eval episodes show their checkpoint
         want = [i for i, e in enumerate(run.episodes) if e["turn_limit"] == first["turn_limit"] and e["env"] == first["env"]]
         page.wait_for_function("n => document.querySelector('[data-testid=list-total]').textContent === n + ' matching'", arg=len(want))
         assert len(want) == first["episodes"] + first["errors"]

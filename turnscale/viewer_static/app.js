@@ -79,6 +79,7 @@ async function loadStatus() {
     select.value = keep;
   }
   $("#nav-eval").hidden = !s.files.eval;
+  $("#episodes").classList.toggle("no-ckpt", s.facets.checkpoint.length === 0);
 }
 
 // ------------------------------------------------------------------ curves
@@ -183,6 +184,7 @@ async function showList(q) {
     box.addEventListener("change", () => pick(e, box.checked));
     return el("tr", { "data-testid": `episode-row-${e.id}`, "data-id": e.id },
       el("td", {}, el("a", { href: `#/episode/${e.id}`, "data-testid": `open-${e.id}`, text: String(e.id) })),
+      el("td", { class: "ckpt", text: e.checkpoint || "" }),
       el("td", { text: fmt(e.step) }), el("td", { text: fmt(e.version) }), el("td", { text: fmt(e.env) }),
       el("td", { text: e.task_id || fmt(e.data_idx) }), el("td", { text: fmt(e.category) }), el("td", { text: fmt(e.split) }),
       el("td", { text: fmt(e.turn_limit) }), el("td", { text: fmt(e.num_turns) }), el("td", { text: fmt(e.finish_reason) }),
