@@ -12,8 +12,9 @@ is followed live.  Invariants:
 - A line that is not UTF-8, not JSON, or not a JSON object is skipped and counted; the first
   ``MAX_BAD_EXAMPLES`` are kept with their line number and reason.
 
-Thread safety: ``refresh`` and reads take the instance lock; the HTTP server calls them from
-several threads.
+Thread safety: ``refresh`` holds the instance lock while it scans; with ``blocking=False`` it
+returns at once when another thread is scanning, so requests are served from what is indexed so
+far (lists only grow, and ``offsets[i]`` is set before ``summaries[i]``).
 """
 
 from __future__ import annotations
@@ -66,9 +67,20 @@ class JsonlIndex:
     def exists(self) -> bool:
         return os.path.isfile(self.path)
 
-    def refresh(self, chunk_bytes: int = 1 << 20) -> int:
-        """Index complete lines appended since the last call; returns how many valid lines were added."""
-        with self._lock:
+    @property
+    def busy(self) -> bool:
+        """A ``refresh`` is scanning right now."""
+        return self._lock.locked()
+
+    def size(self) -> int:
+        return os.path.getsize(self.path) if self.exists() else 0
+
+    def refresh(self, chunk_bytes: int = 1 << 20, blocking: bool = True) -> int:
+        """Index complete lines appended since the last call; returns how many valid lines were added
+        (0 at once when ``blocking`` is False and another thread is scanning)."""
+        if not self._lock.acquire(blocking=blocking):
+            return 0
+        try:
             if not self.exists():
                 return 0
             size = os.path.getsize(self.path)
@@ -94,6 +106,8 @@ class JsonlIndex:
                     if start < len(chunk):
                         parts.append(chunk[start:])
             return added
+        finally:
+            self._lock.release()
 
     def _reset(self) -> None:
         self.offsets.clear()

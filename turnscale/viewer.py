@@ -36,6 +36,8 @@ STATIC_FILES = ("index.html", "app.js", "app.css")
 PLOT_FILES = ("turn_scaling.png", "pass_at_k.png")
 """Plots ``turnscale eval`` writes beside its report; served from the eval JSON's folder only."""
 MAX_PAGE = 500
+BACKGROUND_INDEX_BYTES = 64 << 20
+"""``turnscale view`` indexes larger trajectory files in the background (the page shows progress)."""
 MAX_SAME_TASK = 200
 
 
@@ -113,9 +115,11 @@ class ViewerApp:
         self.episodes = JsonlIndex(str(source.trajectories), summarize=episode_summary)
         self.metrics = JsonlIndex(str(source.metrics))
 
-    def refresh(self) -> None:
-        self.episodes.refresh()
-        self.metrics.refresh()
+    def refresh(self, blocking: bool = False) -> None:
+        """Index what was appended; a request (``blocking=False``) never waits for a scan that
+        another thread is running, it answers from what is indexed so far."""
+        self.episodes.refresh(blocking=blocking)
+        self.metrics.refresh(blocking=blocking)
 
     def handle(self, raw_path: str) -> Response:
         url = urlsplit(raw_path)
@@ -180,6 +184,8 @@ class ViewerApp:
             },
             "episodes": len(self.episodes),
             "bytes_indexed": self.episodes.scanned,
+            "bytes_total": self.episodes.size(),
+            "indexing": self.episodes.busy or self.metrics.busy,
             "malformed": {"trajectories": self.episodes.bad_info(), "metrics": self.metrics.bad_info()},
             "facets": facets(self.episodes.summaries),
         }
@@ -269,11 +275,17 @@ class ViewerServer:
         self.thread.join(timeout=5)
 
 
-def serve(path: str | Path, host: str = "127.0.0.1", port: int = 0) -> ViewerServer:
-    """Index ``path`` and start serving it; the caller closes the returned server."""
+def serve(path: str | Path, host: str = "127.0.0.1", port: int = 0, wait: bool = True) -> ViewerServer:
+    """Serve ``path``; the caller closes the returned server.  With ``wait`` the files are indexed
+    before this returns; without, indexing runs in a background thread while the page already
+    answers (``/api/status`` says ``"indexing": true`` until it is done)."""
     app = ViewerApp(RunSource.resolve(path))
-    app.refresh()
-    return ViewerServer(app, host, port).start()
+    if wait:
+        app.refresh(blocking=True)
+        return ViewerServer(app, host, port).start()
+    server = ViewerServer(app, host, port).start()
+    threading.Thread(target=app.refresh, kwargs={"blocking": True}, name="viewer-index", daemon=True).start()
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,9 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
     args = ap.parse_args(argv)
-    print(f"turnscale view: indexing {args.path} ...", file=sys.stderr, flush=True)
     try:
-        server = serve(args.path, args.host, args.port)
+        source = RunSource.resolve(args.path)
+        big = source.trajectories.is_file() and source.trajectories.stat().st_size > BACKGROUND_INDEX_BYTES
+        server = serve(args.path, args.host, args.port, wait=not big)
     except ViewerError as exc:
         print(f"turnscale view: {exc}", file=sys.stderr)
         return 2

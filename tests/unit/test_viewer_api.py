@@ -123,3 +123,46 @@ def test_nan_and_infinity_in_records_are_served_as_null(tmp_path):
         assert code == 200 and page["items"][0]["reward"] is None
     finally:
         server.close()
+
+
+def test_requests_are_answered_while_a_big_file_is_still_being_indexed(tmp_path):
+    import threading
+
+    from turnscale.viewer import RunSource, ViewerApp
+
+    run = write_run_dir(tmp_path, malformed=False)
+    app = ViewerApp(RunSource.resolve(tmp_path))
+    app.episodes._lock.acquire()  # a background scan holds the index
+    try:
+        done = threading.Event()
+        result = {}
+
+        def ask():
+            result["status"] = json.loads(app.handle("/api/status").body)
+            done.set()
+
+        threading.Thread(target=ask, daemon=True).start()
+        assert done.wait(5), "a request waited for the scan"
+        assert result["status"]["indexing"] is True and result["status"]["episodes"] == 0
+    finally:
+        app.episodes._lock.release()
+    status = json.loads(app.handle("/api/status").body)
+    assert status["indexing"] is False and status["episodes"] == len(run.episodes)
+    assert status["bytes_indexed"] == status["bytes_total"] > 0
+
+
+def test_serve_without_waiting_indexes_in_the_background(tmp_path):
+    import time
+
+    run = write_run_dir(tmp_path, malformed=False)
+    server = serve(tmp_path, wait=False)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            _, s = get(server.url + "api/status")
+            if not s["indexing"] and s["episodes"] == len(run.episodes):
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        server.close()

@@ -79,7 +79,19 @@ async function loadStatus() {
     select.value = keep;
   }
   $("#nav-eval").hidden = !s.files.eval;
+  const idx = $("#indexing");
+  idx.hidden = !s.indexing;
+  if (s.indexing) {
+    const mb = (b) => (b / 1e6).toFixed(0);
+    idx.textContent = `Indexing trajectories: ${mb(s.bytes_indexed)} of ${mb(s.bytes_total)} MB (${s.episodes} episodes so far)…`;
+    setTimeout(pollIndexing, 1000);
+  }
   $("#episodes").classList.toggle("no-ckpt", s.facets.checkpoint.length === 0);
+}
+
+async function pollIndexing() {
+  try { await loadStatus(); } catch (e) { showError(e.message); return; }
+  if (!$("#view-list").hidden) await route();
 }
 
 // ------------------------------------------------------------------ curves
