@@ -159,6 +159,13 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         assert f"Episode {sibling}" in page.inner_text("[data-testid=cmp-b]")
         assert page.locator("[data-testid=cmp-b] [data-testid^=cmp-turn-]").count() == eps[sibling]["num_turns"]
         assert eps[sibling]["turns"][0]["output_text"] in page.inner_text("[data-testid=cmp-b]")
+        ta, tb = [t["action"] for t in ep["turns"]], [t["action"] for t in eps[sibling]["turns"]]
+        d = next((j for j in range(min(len(ta), len(tb))) if ta[j] != tb[j]), None if len(ta) == len(tb) else min(len(ta), len(tb)))
+        if d is None:
+            assert page.inner_text("[data-testid=cmp-diverge]") == "Both episodes took the same actions."
+        else:
+            assert page.inner_text("[data-testid=cmp-diverge]") == f"First different action at turn {d + 1}."
+            assert page.locator(".diverge").count() == sum(d < len(x) for x in (ta, tb))
         save_shot(page, tmp_path, "viewer-compare.png")
 
         # curve click lists that step's episodes

@@ -312,8 +312,18 @@ async function showEpisode(id, q) {
 
 // ------------------------------------------------------------------ compare
 
-function compareColumn(ep) {
-  const blocks = (ep.turns || []).map((t, j) => turnBlock(ep, t, j === 0 ? ep.prompt : ep.turns[j - 1].observation, `cmp-turn-${j}`));
+function firstDivergence(a, b) {
+  const ta = a.turns || [], tb = b.turns || [];
+  for (let j = 0; j < Math.min(ta.length, tb.length); j++) if (ta[j].action !== tb[j].action) return j;
+  return ta.length === tb.length ? -1 : Math.min(ta.length, tb.length);
+}
+
+function compareColumn(ep, diverge) {
+  const blocks = (ep.turns || []).map((t, j) => {
+    const b = turnBlock(ep, t, j === 0 ? ep.prompt : ep.turns[j - 1].observation, `cmp-turn-${j}`);
+    if (j === diverge) b.classList.add("diverge");
+    return b;
+  });
   return [el("h3", {}, el("a", { href: `#/episode/${ep.id}`, text: `Episode ${ep.id}` }), ` — ${ep.success ? "success" : "failure"}, reward ${fmt(ep.reward)}, ${ep.num_turns} turns`),
     el("dl", { class: "meta" }, ...metaList(ep)), ...blocks];
 }
@@ -325,8 +335,10 @@ async function showCompare(a, b) {
   const same = ea.env === eb.env && ea.data_idx === eb.data_idx;
   warn.hidden = same;
   warn.textContent = same ? "" : `These episodes are of different tasks (${ea.env} ${ea.data_idx} vs ${eb.env} ${eb.data_idx}).`;
-  $("#cmp-a").replaceChildren(...compareColumn(ea));
-  $("#cmp-b").replaceChildren(...compareColumn(eb));
+  const d = firstDivergence(ea, eb);
+  $("#cmp-diverge").textContent = d < 0 ? "Both episodes took the same actions." : `First different action at turn ${d + 1}.`;
+  $("#cmp-a").replaceChildren(...compareColumn(ea, d));
+  $("#cmp-b").replaceChildren(...compareColumn(eb, d));
 }
 
 // ------------------------------------------------------------------ eval report
