@@ -166,3 +166,18 @@ def test_serve_without_waiting_indexes_in_the_background(tmp_path):
             time.sleep(0.05)
     finally:
         server.close()
+
+
+def test_view_cli_errors_exit_2_with_a_message(tmp_path, capsys):
+    import socket
+
+    from turnscale.viewer import main
+
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    write_run_dir(tmp_path, malformed=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main([str(tmp_path), "--port", str(busy.getsockname()[1])]) == 2
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
