@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -263,6 +264,8 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
     except ImportError as exc:
         raise EvalNotBuilt(f"turnscale eval: running models needs the actor code ({exc.name} is missing)") from None
     models = [(resolve_model_dir(path), label) for path, label in models]
+    if cfgs[0].engine.name == "vllm" and importlib.util.find_spec("vllm") is None:  # fail before starting servers
+        raise EvalRunError("engine 'vllm' needs vllm, which is not installed here (engine=hf runs anywhere)")
     if pool_factory is make_pool:
         _require_client()
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -283,7 +286,7 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
 def _run_model(cfg, path, label, plans, split, concurrency, progress, write, pool_factory) -> list[dict]:
     import trio
 
-    from actors.engine import make_engine
+    from actors.engine import EngineError, make_engine
     from actors.parsing import parser_for
     from actors.prompts import instruction
     from actors.renderer import Renderer
@@ -303,7 +306,13 @@ def _run_model(cfg, path, label, plans, split, concurrency, progress, write, poo
     s = cfg.sampling
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens, max_context_tokens=s.max_context_tokens)
-    engine = make_engine(cfg.engine, path)
+    try:
+        engine = make_engine(cfg.engine, path)
+    except EngineError as exc:
+        raise EvalRunError(f"engine {cfg.engine.name!r} for {path}: {exc}") from None
+    except ImportError as exc:
+        raise EvalRunError(f"engine {cfg.engine.name!r} needs {exc.name}, which is not installed here "
+                           f"(engine=hf runs anywhere)") from None
     bar = Progress(sum(len(jobs) for _, _, jobs in plans), f"eval {label}", progress)
 
     def on_record(rec: dict) -> None:

@@ -109,3 +109,13 @@ def test_eval_runs_two_env_families_in_one_report(tmp_path, tiny_model_dir):
     recs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert sorted((r["env"], r["data_idx"]) for r in recs) == [("babyai", 0), ("babyai", 1), ("textcraft", 0), ("textcraft", 1)]
     assert all(r["category"] for r in recs)
+
+
+def test_eval_with_an_engine_that_is_not_installed_says_so(tmp_path, tiny_model_dir):
+    pytest.importorskip("actors.engine")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    cmd = [sys.executable, "-m", "turnscale", "eval", "--model", tiny_model_dir, "--tasks", "0:1", "--out", str(tmp_path), "engine=vllm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "engine 'vllm'" in proc.stderr and "Traceback" not in proc.stderr
