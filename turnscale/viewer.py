@@ -10,9 +10,11 @@ external assets) talks to a JSON API served by a stdlib ``ThreadingHTTPServer``:
   episodes of the same env + data_idx, for the compare view).
 - ``GET /api/metrics``: ``{"series": {key: [[step, value], ...]}, "malformed": {...}}``.
 - ``GET /api/eval``: the eval report JSON (404 when the source has none).
+- ``GET /plots/<turn_scaling.png | pass_at_k.png>``: the eval report's plots.
 
-Every request first indexes bytes appended since the last one (``runindex.JsonlIndex``), so a
-live run is followed.  Errors answer a JSON ``{"error": ...}`` with a real status code; no
+Every API request first indexes bytes appended since the last one (``runindex.JsonlIndex``), so
+a live run is followed; it never waits for a scan another thread is running (big files are
+indexed in the background and answered from what is indexed so far).  Errors answer a JSON ``{"error": ...}`` with a real status code; no
 stack trace reaches the client.  Binds 127.0.0.1 unless told otherwise.
 """
 
