@@ -135,7 +135,7 @@ def write_run_dir(path: Path, *, steps: int = 6, groups_per_step: int = 2, group
         succ = [float(e["success"]) for e in step_eps]
         rets = [e["reward"] for e in step_eps]
         run.metrics.append({
-            "step": step, "rollout/success": sum(succ) / len(succ), "rollout/return": sum(rets) / len(rets),
+            "step": step, "time": round(1.79e9 + 12.5 * step, 3), "rollout/success": sum(succ) / len(succ), "rollout/return": sum(rets) / len(rets),
             "rollout/turns": sum(e["num_turns"] for e in step_eps) / len(step_eps),
             "schedule/turn_limit": turn_limit, "loss/policy": round(rng.uniform(-0.1, 0.1), 4),
             "perf/tokens_per_s": round(rng.uniform(500, 900), 1),
@@ -152,3 +152,11 @@ def write_run_dir(path: Path, *, steps: int = 6, groups_per_step: int = 2, group
         if malformed:
             f.write("{not json\n")
     return run
+
+
+if __name__ == "__main__":  # python -m tests.sample_runs DIR [STEPS]: a demo run dir for `turnscale view DIR`
+    import sys
+
+    out = write_run_dir(Path(sys.argv[1]), steps=int(sys.argv[2]) if len(sys.argv) > 2 else 30, groups_per_step=4, group_size=4,
+                        turn_schedule=(6, 13, 20), every=10)
+    print(f"{out.path}: {len(out.episodes)} episodes, {len(out.metrics)} steps, {out.malformed_lines} malformed lines")

@@ -13,8 +13,9 @@ Definitions (AgentGym-RL's, with an unbiased estimator where they take one sampl
   n == k this is AgentGym-RL's fraction of tasks whose max score > 0.  When some task of a group
   has fewer than k samples, Pass@k (and Avg@k) of that group is ``None`` (not estimable).
 - **success** and **mean_reward** are means over episodes; **mean_turns** the mean turn count.
-- Episodes that ended in ``env_error`` measure the infrastructure, not the agent: they are left
-  out of every metric and counted in ``env_errors``.
+- Episodes that ended in a failure of the machinery (``ERROR_FINISHES``: ``env_error``,
+  ``aborted``, ``render_error``) measure the infrastructure, not the agent: they are left out of
+  every metric and counted in ``errors`` (never scored as 0, as the learner never trains on them).
 
 Rows are grouped by ``(checkpoint, turn_limit, env, category)``, plus one row per
 ``(checkpoint, turn_limit, env)`` with ``category == ""`` (all sub-tasks), plus one per
@@ -28,6 +29,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from math import comb
 from typing import Iterable, Sequence
+
+ERROR_FINISHES = frozenset({"env_error", "aborted", "render_error"})
 
 PASS_RULES = {
     "reward": "an episode passes when its final score (reward) is > 0 (AgentGym-RL)",
@@ -79,8 +82,9 @@ class ReportRow:
     """``""``: all sub-tasks of ``env``."""
     tasks: int
     episodes: int
-    """Episodes counted (``env_error`` ones excluded)."""
-    env_errors: int
+    """Episodes counted (those in ``ERROR_FINISHES`` excluded)."""
+    errors: int
+    """Episodes left out because the env, engine or renderer failed."""
     samples_per_task: int
     """The fewest samples any task of the row has."""
     success: float | None
@@ -108,7 +112,7 @@ def summarize(checkpoint: str, turn_limit: int, env: str, category: str, episode
     """One row over ``episodes`` (all of one checkpoint and turn limit)."""
     if pass_on not in PASS_RULES:
         raise ValueError(f"pass_on must be one of {sorted(PASS_RULES)}, got {pass_on!r}")
-    good = [e for e in episodes if e.finish_reason != "env_error"]
+    good = [e for e in episodes if e.finish_reason not in ERROR_FINISHES]
     errors = len(episodes) - len(good)
     by_task: dict[tuple[str, int], list[EpisodeResult]] = defaultdict(list)
     for e in good:
@@ -124,7 +128,7 @@ def summarize(checkpoint: str, turn_limit: int, env: str, category: str, episode
         pas[k] = _mean(pass_at_k(len(v), sum(_passes(e, pass_on) for e in v), k) for v in by_task.values())
     return ReportRow(
         checkpoint=checkpoint, turn_limit=turn_limit, env=env, category=category, tasks=len(by_task),
-        episodes=len(good), env_errors=errors, samples_per_task=min_n,
+        episodes=len(good), errors=errors, samples_per_task=min_n,
         success=_mean(float(e.success) for e in good), mean_reward=_mean(e.reward for e in good),
         mean_turns=_mean(e.num_turns for e in good), avg_at_k=avg, pass_at_k=pas)
 

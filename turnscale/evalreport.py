@@ -28,13 +28,13 @@ def _f(v: float | None, pct: bool = False) -> str:
 
 def _cells(row: ReportRow, ks: Sequence[int]) -> list[str]:
     return [row.checkpoint, str(row.turn_limit), row.env or "(all)", row.category or "(all)", str(row.tasks),
-            str(row.episodes), str(row.env_errors), _f(row.success, True), _f(row.mean_reward),
+            str(row.episodes), str(row.errors), _f(row.success, True), _f(row.mean_reward),
             _f(row.mean_turns) if row.mean_turns is not None else "n/a",
             *(_f(row.avg_at_k.get(k)) for k in ks), *(_f(row.pass_at_k.get(k), True) for k in ks)]
 
 
 def _header(ks: Sequence[int]) -> list[str]:
-    return ["checkpoint", "turns", "env", "category", "tasks", "episodes", "env_err", "success %", "reward",
+    return ["checkpoint", "turns", "env", "category", "tasks", "episodes", "errors", "success %", "reward",
             "mean turns", *(f"Avg@{k}" for k in ks), *(f"Pass@{k} %" for k in ks)]
 
 
@@ -50,15 +50,19 @@ def format_table(rows: Sequence[ReportRow], ks: Sequence[int]) -> str:
     return "\n".join(out)
 
 
-def format_markdown(rows: Sequence[ReportRow], ks: Sequence[int], pass_on: str, plots: Sequence[str] = ()) -> str:
-    """A Markdown report: the table, the definitions, and the plots (relative paths)."""
+def format_markdown(rows: Sequence[ReportRow], ks: Sequence[int], pass_on: str, plots: Sequence[str] = (),
+                    config: dict | None = None) -> str:
+    """A Markdown report: what was run, the table, the definitions, and the plots (relative paths)."""
     head = _header(ks)
-    lines = ["# turnscale eval", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = ["# turnscale eval", ""]
+    if config:
+        lines += [f"- {k}: `{json.dumps(v)}`" for k, v in config.items()] + [""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_cells(r, ks)) + " |" for r in rows]
     lines += ["", f"Pass rule: {PASS_RULES[pass_on]}. Pass@k is the unbiased estimate 1 - C(n-c,k)/C(n,k) "
               "from n samples per task with c passes (equal to AgentGym-RL's max-score > 0 when n = k); "
               "Avg@k is the mean final score, estimated from all n samples. n/a: fewer than k samples. "
-              "Episodes that ended in env_error are counted apart and left out of the metrics."]
+              "Episodes that ended in env_error, aborted or render_error are counted under errors and left out of the metrics."]
     for p in plots:
         lines += ["", f"![{Path(p).stem}]({p})"]
     return "\n".join(lines) + "\n"

@@ -10,13 +10,14 @@ Invariants:
   checkpoints are compared on the same draws.
 - Every played episode becomes one record (the learner's ``trajectories.jsonl`` format plus
   ``checkpoint`` and ``sample``), appended to ``out_jsonl`` as it finishes; the returned list is
-  sorted by (model order, turn limit, data_idx, sample).
-- Without ``env.url`` an envhub server for ``env.name`` is started on a free 127.0.0.1 port and
+  sorted by (model order, env order, turn limit, data_idx, sample).
+- Without ``env.url`` an envhub server for each env is started on a free 127.0.0.1 port and
   stopped (by pid) at the end.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Protocol
 
@@ -111,6 +112,25 @@ class Progress:
             rate = self.done / max(1e-9, now - self.t0)
             print(f"\r{self.label} [{bar}] {self.done}/{self.total} episodes, success {100 * self.ok / self.done:.1f}%, "
                   f"{rate:.2f} ep/s", end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def resolve_model_dir(path: str) -> str:
+    """The HF model folder ``path`` stands for: the folder itself (it has ``config.json``), a learner
+    checkpoint ``step-N/`` (its ``model/``), or a checkpoint root (the highest ``step-N/model``)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return str(p)
+    if (p / "model" / "config.json").is_file():
+        return str(p / "model")
+    steps = sorted((int(c.name[5:]), c) for c in p.glob("step-*") if c.name[5:].isdigit() and (c / "model" / "config.json").is_file()) if p.is_dir() else []
+    if steps:
+        return str(steps[-1][1] / "model")
+    if not p.exists():
+        raise EvalRunError(f"--model {path}: no such folder; give a checkpoint or HF model folder (nothing is downloaded)")
+    raise EvalRunError(f"--model {path}: no config.json there, in model/, or in a step-N/model/ below it")
 
 
 # ----------------------------------------------------------------------------- playing
@@ -228,10 +248,14 @@ def make_pool(env_name: str, url: str, cfg: Any) -> SessionPool:
 # ----------------------------------------------------------------------------- whole run
 
 
-def run_eval(cfg: Any, models: list[tuple[str, str]], task_ids: list[int], *, samples: int, turn_limits: list[int],
-             split: str, concurrency: int, out_jsonl: Path, progress: bool = True,
+def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, list[int]], *, samples: int,
+             turn_limits: list[int], split: str, concurrency: int, out_jsonl: Path, progress: bool = True,
              pool_factory: Callable[[str, str, Any], SessionPool] = make_pool) -> list[dict]:
-    """Play every model on every job; returns the records (also appended to ``out_jsonl``)."""
+    """Play every model on every env's jobs; returns the records (also written to ``out_jsonl``).
+
+    ``cfgs``: one config per env (they differ only in ``env``; engine, model and sampling settings
+    come from the first).  ``tasks[env]``: that env's ``data_idx`` list.  Env servers start once;
+    each model is loaded once and plays the envs in order."""
     try:
         import trio  # noqa: F401
 
@@ -239,28 +263,30 @@ def run_eval(cfg: Any, models: list[tuple[str, str]], task_ids: list[int], *, sa
         from actors.episode import run_episode  # noqa: F401
     except ImportError as exc:
         raise EvalNotBuilt(f"turnscale eval: running models needs the actor code ({exc.name} is missing)") from None
-    for path, _ in models:
-        if not os.path.isdir(path):
-            raise EvalRunError(f"--model {path}: no such folder; give a checkpoint or HF model folder (nothing is downloaded)")
+    models = [(resolve_model_dir(path), label) for path, label in models]
+    if cfgs[0].engine.name == "vllm" and importlib.util.find_spec("vllm") is None:  # fail before starting servers
+        raise EvalRunError("engine 'vllm' needs vllm, which is not installed here (engine=hf runs anywhere)")
     if pool_factory is make_pool:
         _require_client()
-    jobs = plan(task_ids, samples, turn_limits)
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
-    with open(out_jsonl, "w", encoding="utf-8") as sink, env_server(cfg.env.name, cfg.env.url) as url:
+    with open(out_jsonl, "w", encoding="utf-8") as sink, ExitStack() as servers:
+        urls = {cfg.env.name: servers.enter_context(env_server(cfg.env.name, cfg.env.url)) for cfg in cfgs}
+
         def write(rec: dict) -> None:
             sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
             sink.flush()
 
+        plans = [(cfg, urls[cfg.env.name], plan(tasks[cfg.env.name], samples, turn_limits)) for cfg in cfgs]
         for path, label in models:
-            records += _run_model(cfg, path, label, jobs, url, split, concurrency, progress, write, pool_factory)
+            records += _run_model(cfgs[0], path, label, plans, split, concurrency, progress, write, pool_factory)
     return records
 
 
-def _run_model(cfg, path, label, jobs, url, split, concurrency, progress, write, pool_factory) -> list[dict]:
+def _run_model(cfg, path, label, plans, split, concurrency, progress, write, pool_factory) -> list[dict]:
     import trio
 
-    from actors.engine import make_engine
+    from actors.engine import EngineError, make_engine
     from actors.parsing import parser_for
     from actors.prompts import instruction
     from actors.renderer import Renderer
@@ -280,22 +306,31 @@ def _run_model(cfg, path, label, jobs, url, split, concurrency, progress, write,
     s = cfg.sampling
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens, max_context_tokens=s.max_context_tokens)
-    engine = make_engine(cfg.engine, path)
-    bar = Progress(len(jobs), f"eval {label}", progress)
+    try:
+        engine = make_engine(cfg.engine, path)
+    except EngineError as exc:
+        raise EvalRunError(f"engine {cfg.engine.name!r} for {path}: {exc}") from None
+    except ImportError as exc:
+        raise EvalRunError(f"engine {cfg.engine.name!r} needs {exc.name}, which is not installed here "
+                           f"(engine=hf runs anywhere)") from None
+    bar = Progress(sum(len(jobs) for _, _, jobs in plans), f"eval {label}", progress)
 
     def on_record(rec: dict) -> None:
         write(rec)
         bar.update(rec)
 
     async def main() -> list[dict]:
-        pool = pool_factory(cfg.env.name, url, cfg)
-        try:
-            return await play_all(engine=engine, renderer=renderer, parser=parser_for(cfg.env.name),
-                                  prompt=instruction(cfg.env.name), sampling=sampling, pool=pool, checkpoint=label,
-                                  env=cfg.env.name, split=split, jobs=jobs, concurrency=concurrency,
-                                  seed=cfg.learner.seed, on_record=on_record)
-        finally:
-            await pool.aclose()
+        out: list[dict] = []
+        for env_cfg, url, jobs in plans:
+            env = env_cfg.env.name
+            pool = pool_factory(env, url, env_cfg)
+            try:
+                out += await play_all(engine=engine, renderer=renderer, parser=parser_for(env), prompt=instruction(env),
+                                      sampling=sampling, pool=pool, checkpoint=label, env=env, split=split, jobs=jobs,
+                                      concurrency=concurrency, seed=cfg.learner.seed, on_record=on_record)
+            finally:
+                await pool.aclose()
+        return out
 
     try:
         return trio.run(main)

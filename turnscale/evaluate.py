@@ -2,7 +2,7 @@
 
 Two modes:
 
-- **run**: ``turnscale eval --model PATH[=LABEL] [--model ...] --env babyai --split test
+- **run**: ``turnscale eval --model PATH[=LABEL] [--model ...] --env babyai[,textcraft] --split test
   [--tasks SPEC] --k 1,2,4,8 --turns 5,10,20,30 [hydra overrides, e.g. env.url=http://...]``
   plays ``max(k)`` (or ``--samples``) episodes per task for every model x turn limit through the
   actor code (``evalrun``), against the envhub server at ``env.url`` or a local one it starts.
@@ -47,8 +47,12 @@ def _int_list(s: str, name: str) -> list[int]:
 def _labelled(spec: str) -> tuple[str, str]:
     """``PATH=LABEL`` or ``PATH`` (label: the folder or file name)."""
     path, _, label = spec.partition("=")
-    p = Path(path)
-    return path, label or (p.stem if p.suffix == ".jsonl" and p.stem != "trajectories" else (p.parent.name if p.suffix else p.name)) or path
+    if label:
+        return path, label
+    p = Path(path.rstrip("/"))
+    if p.suffix == ".jsonl":
+        return path, p.parent.name if p.stem == "trajectories" else p.stem
+    return path, p.name or path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint or HF model folder; repeat to compare several (one line each in the plots)")
     ap.add_argument("--from-jsonl", action="append", default=[], metavar="FILE[=LABEL]",
                     help="report on episode records already written instead of running")
-    ap.add_argument("--env", help="env family (default: the config's env)")
+    ap.add_argument("--env", help="env family, or a comma list to evaluate several (default: the config's env)")
     ap.add_argument("--split", default="test", choices=("test", "train"), help="the config's task split (default test)")
     ap.add_argument("--tasks", "--ids", dest="tasks", help="'start:stop', '1,2,3' or an AgentGym-RL id file; overrides --split")
     ap.add_argument("--max-tasks", type=int, default=0, help="use only the first N tasks (0: all)")
@@ -108,7 +112,7 @@ def write_outputs(results: list[EpisodeResult], ks: list[int], pass_on: str, out
                          plot_pass_at_k(rows, ks, out_dir / "pass_at_k.png")) if p is not None]
     doc = report_json(rows, ks, pass_on, trajectories=trajectories, config=config)
     write_json(out_dir / "eval.json", doc)
-    md = format_markdown(rows, ks, pass_on, [p.name for p in plots])
+    md = format_markdown(rows, ks, pass_on, [p.name for p in plots], config)
     (out_dir / "report.md").write_text(md)
     if json_path:
         extra = dict(doc)
@@ -117,7 +121,7 @@ def write_outputs(results: list[EpisodeResult], ks: list[int], pass_on: str, out
         write_json(json_path, extra)
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(md_path).write_text(format_markdown(rows, ks, pass_on, [os.path.relpath(p, Path(md_path).resolve().parent) for p in plots]))
+        Path(md_path).write_text(format_markdown(rows, ks, pass_on, [os.path.relpath(p, Path(md_path).resolve().parent) for p in plots], config))
     print(format_table(rows, ks))
     for p in plots:
         print(f"plot: {p}")
@@ -145,7 +149,9 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.model:
             raise EvalError("give either --model (run) or --from-jsonl (report), not both")
         results = load_records(args.from_jsonl)
-        write_outputs(results, ks, args.pass_on, out_dir, json_path=args.json, md_path=args.markdown)
+        # one input: the report points at it, so `turnscale view OUT` shows its episodes too
+        traj = os.path.relpath(_labelled(args.from_jsonl[0])[0], out_dir.resolve()) if len(args.from_jsonl) == 1 else ""
+        write_outputs(results, ks, args.pass_on, out_dir, json_path=args.json, md_path=args.markdown, trajectories=traj)
         return 0
     if not args.model:
         raise EvalError("nothing to evaluate: give --model PATH (a checkpoint or HF model folder) or --from-jsonl FILE")
@@ -157,24 +163,25 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from conf import load
 
-    if args.env:
-        overrides = [f"env={args.env}", *overrides]
-    cfg = load(overrides)
-    spec = args.tasks or getattr(cfg.env.tasks, args.split)
-    task_ids = parse_task_spec(spec, cfg.env.name)
-    if args.max_tasks > 0:
-        task_ids = task_ids[: args.max_tasks]
-    turns = _int_list(args.turns, "turns") if args.turns else [cfg.schedule.turns[-1]]
+    envs = list(dict.fromkeys(e.strip() for e in (args.env or "").split(",") if e.strip())) or [None]
+    if len(envs) > 1 and any(o.lstrip("+").startswith("env.url=") for o in overrides):
+        raise EvalError("env.url names one server; with several --env values let eval start their servers")
+    cfgs = [load(([f"env={e}"] if e else []) + overrides) for e in envs]
+    tasks = {}
+    for cfg in cfgs:
+        ids = parse_task_spec(args.tasks or getattr(cfg.env.tasks, args.split), cfg.env.name)
+        tasks[cfg.env.name] = ids[: args.max_tasks] if args.max_tasks > 0 else ids
+    turns = _int_list(args.turns, "turns") if args.turns else [cfgs[0].schedule.turns[-1]]
     models = [_labelled(m) for m in args.model]
     from turnscale import evalrun
 
     out_dir.mkdir(parents=True, exist_ok=True)
     traj = out_dir / "trajectories.jsonl"
-    records = evalrun.run_eval(cfg, models, task_ids, samples=samples, turn_limits=turns, split=args.split,
+    records = evalrun.run_eval(cfgs, models, tasks, samples=samples, turn_limits=turns, split=args.split,
                                concurrency=args.concurrency, out_jsonl=traj, progress=not args.no_progress)
     results = [EpisodeResult.from_record(r) for r in records]
-    config = {"env": cfg.env.name, "split": args.split, "tasks": len(task_ids), "samples": samples, "turns": turns,
-              "models": [{"path": p, "label": lab} for p, lab in models], "overrides": overrides}
+    config = {"envs": list(tasks), "split": args.split, "tasks": {e: len(t) for e, t in tasks.items()}, "samples": samples,
+              "turns": turns, "models": [{"path": p, "label": lab} for p, lab in models], "overrides": overrides}
     write_outputs(results, ks, args.pass_on, out_dir, json_path=args.json, md_path=args.markdown,
                   trajectories=traj.name, config=config)
     return 0

@@ -12,8 +12,9 @@ is followed live.  Invariants:
 - A line that is not UTF-8, not JSON, or not a JSON object is skipped and counted; the first
   ``MAX_BAD_EXAMPLES`` are kept with their line number and reason.
 
-Thread safety: ``refresh`` and reads take the instance lock; the HTTP server calls them from
-several threads.
+Thread safety: ``refresh`` holds the instance lock while it scans; with ``blocking=False`` it
+returns at once when another thread is scanning, so requests are served from what is indexed so
+far (lists only grow, and ``offsets[i]`` is set before ``summaries[i]``).
 """
 
 from __future__ import annotations
@@ -66,9 +67,20 @@ class JsonlIndex:
     def exists(self) -> bool:
         return os.path.isfile(self.path)
 
-    def refresh(self, chunk_bytes: int = 1 << 20) -> int:
-        """Index complete lines appended since the last call; returns how many valid lines were added."""
-        with self._lock:
+    @property
+    def busy(self) -> bool:
+        """A ``refresh`` is scanning right now."""
+        return self._lock.locked()
+
+    def size(self) -> int:
+        return os.path.getsize(self.path) if self.exists() else 0
+
+    def refresh(self, chunk_bytes: int = 1 << 20, blocking: bool = True) -> int:
+        """Index complete lines appended since the last call; returns how many valid lines were added
+        (0 at once when ``blocking`` is False and another thread is scanning)."""
+        if not self._lock.acquire(blocking=blocking):
+            return 0
+        try:
             if not self.exists():
                 return 0
             size = os.path.getsize(self.path)
@@ -77,24 +89,25 @@ class JsonlIndex:
             added = 0
             with open(self.path, "rb") as f:
                 f.seek(self.scanned)
-                pending = b""
-                pos = self.scanned
+                parts: list[bytes] = []  # pieces of the current, still unfinished line
                 while True:
                     chunk = f.read(chunk_bytes)
                     if not chunk:
                         break
-                    data = pending + chunk
                     start = 0
-                    while True:
-                        nl = data.find(b"\n", start)
-                        if nl < 0:
-                            break
-                        added += self._add_line(data[start:nl], pos + start)
+                    nl = chunk.find(b"\n")
+                    while nl >= 0:
+                        line = b"".join(parts) + chunk[start:nl] if parts else chunk[start:nl]
+                        parts = []
+                        added += self._add_line(line, self.scanned)
+                        self.scanned += len(line) + 1
                         start = nl + 1
-                    pos += start
-                    pending = data[start:]
-                    self.scanned = pos
+                        nl = chunk.find(b"\n", start)
+                    if start < len(chunk):
+                        parts.append(chunk[start:])
             return added
+        finally:
+            self._lock.release()
 
     def _reset(self) -> None:
         self.offsets.clear()
@@ -173,6 +186,8 @@ class EpisodeFilter:
     version_max: int | None = None
     step: int | None = None
     """Exactly this learner step (the curve click)."""
+    turn_limit: int | None = None
+    """Exactly this turn limit (an eval sweep's point, a ScalingInter stage)."""
 
     @staticmethod
     def from_query(q: dict[str, str]) -> "EpisodeFilter":
@@ -197,7 +212,7 @@ class EpisodeFilter:
             env=s("env"), task=s("task"), split=s("split"), category=s("category"), checkpoint=s("checkpoint"),
             finish_reason=s("finish_reason"), success=None if succ is None else succ in ("true", "1"),
             step_min=i("step_min"), step_max=i("step_max"), version_min=i("version_min"),
-            version_max=i("version_max"), step=i("step"),
+            version_max=i("version_max"), step=i("step"), turn_limit=i("turn_limit"),
         )
 
     def matches(self, e: dict) -> bool:
@@ -213,6 +228,8 @@ class EpisodeFilter:
             elif e.get("task_id") != self.task:
                 return False
         if self.success is not None and bool(e.get("success")) != self.success:
+            return False
+        if self.turn_limit is not None and e.get("turn_limit") != self.turn_limit:
             return False
         return _in_range(e.get("step"), self.step_min, self.step_max, self.step) and _in_range(
             e.get("version"), self.version_min, self.version_max, None)
@@ -256,15 +273,20 @@ def facets(summaries: Iterable[dict]) -> dict:
     return {**{k: sorted(v) for k, v in seen.items()}, "step_range": lo_hi["step"], "version_range": lo_hi["version"]}
 
 
+NON_METRIC_KEYS = frozenset({"step", "time", "wall_time", "timestamp"})
+"""Keys of a ``metrics.jsonl`` row that are not curves (the learner writes ``step`` and ``time``)."""
+
+
 def metric_series(rows: Iterable[dict]) -> dict[str, list[list[float]]]:
-    """``{key: [[step, value], ...]}`` for every numeric key, rows in file order (non-numbers skipped)."""
+    """``{key: [[step, value], ...]}`` for every numeric key, rows in file order (non-numbers and
+    ``NON_METRIC_KEYS`` skipped)."""
     out: dict[str, list[list[float]]] = {}
     for r in rows:
         step = r.get("step")
         if not isinstance(step, (int, float)) or isinstance(step, bool):
             continue
         for k, v in r.items():
-            if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            if k in NON_METRIC_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             if v != v or v in (float("inf"), float("-inf")):  # NaN/inf are not valid JSON for the page
                 continue

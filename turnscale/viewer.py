@@ -4,15 +4,17 @@ A small local web app over a run directory: the page (``viewer_static/``, plain 
 external assets) talks to a JSON API served by a stdlib ``ThreadingHTTPServer``:
 
 - ``GET /api/status``: files, counts, malformed-line counts and examples, filter facets.
-- ``GET /api/episodes?env=&task=&split=&category=&checkpoint=&finish_reason=&success=&step=&step_min=&step_max=&version_min=&version_max=&offset=&limit=``:
+- ``GET /api/episodes?env=&task=&split=&category=&checkpoint=&finish_reason=&success=&turn_limit=&step=&step_min=&step_max=&version_min=&version_max=&offset=&limit=``:
   one page of episode summaries (file order), ``{"total", "offset", "limit", "items": [{"id", ...}]}``.
 - ``GET /api/episode/<id>``: the full record plus ``"id"`` and ``"same_task"`` (ids of other
   episodes of the same env + data_idx, for the compare view).
 - ``GET /api/metrics``: ``{"series": {key: [[step, value], ...]}, "malformed": {...}}``.
 - ``GET /api/eval``: the eval report JSON (404 when the source has none).
+- ``GET /plots/<turn_scaling.png | pass_at_k.png>``: the eval report's plots.
 
-Every request first indexes bytes appended since the last one (``runindex.JsonlIndex``), so a
-live run is followed.  Errors answer a JSON ``{"error": ...}`` with a real status code; no
+Every API request first indexes bytes appended since the last one (``runindex.JsonlIndex``), so
+a live run is followed; it never waits for a scan another thread is running (big files are
+indexed in the background and answered from what is indexed so far).  Errors answer a JSON ``{"error": ...}`` with a real status code; no
 stack trace reaches the client.  Binds 127.0.0.1 unless told otherwise.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mimetypes
 import sys
 import threading
@@ -32,7 +35,11 @@ from turnscale.runindex import EpisodeFilter, FilterError, JsonlIndex, episode_s
 
 STATIC_DIR = Path(__file__).with_name("viewer_static")
 STATIC_FILES = ("index.html", "app.js", "app.css")
+PLOT_FILES = ("turn_scaling.png", "pass_at_k.png")
+"""Plots ``turnscale eval`` writes beside its report; served from the eval JSON's folder only."""
 MAX_PAGE = 500
+BACKGROUND_INDEX_BYTES = 64 << 20
+"""``turnscale view`` indexes larger trajectory files in the background (the page shows progress)."""
 MAX_SAME_TASK = 200
 
 
@@ -56,6 +63,8 @@ class RunSource:
         p = Path(path).expanduser()
         if p.is_dir():
             ev = p / "eval.json"
+            if ev.is_file() and not (p / "trajectories.jsonl").is_file():
+                return RunSource.resolve(ev)  # an eval output: follow its "trajectories" entry
             src = RunSource(p, p / "trajectories.jsonl", p / "metrics.jsonl", ev if ev.is_file() else None)
         elif p.is_file() and p.suffix == ".json":
             try:
@@ -82,7 +91,22 @@ class Response:
 
 
 def _json(status: int, obj: object) -> Response:
-    return Response(status, json.dumps(obj, allow_nan=False, default=str).encode())
+    """JSON the browser can parse: NaN and infinities (which Python writes into JSONL) become null."""
+    try:
+        body = json.dumps(obj, allow_nan=False, default=str)
+    except ValueError:
+        body = json.dumps(_finite(obj), allow_nan=False, default=str)
+    return Response(status, body.encode())
+
+
+def _finite(obj: object) -> object:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 class ViewerApp:
@@ -93,9 +117,11 @@ class ViewerApp:
         self.episodes = JsonlIndex(str(source.trajectories), summarize=episode_summary)
         self.metrics = JsonlIndex(str(source.metrics))
 
-    def refresh(self) -> None:
-        self.episodes.refresh()
-        self.metrics.refresh()
+    def refresh(self, blocking: bool = False) -> None:
+        """Index what was appended; a request (``blocking=False``) never waits for a scan that
+        another thread is running, it answers from what is indexed so far."""
+        self.episodes.refresh(blocking=blocking)
+        self.metrics.refresh(blocking=blocking)
 
     def handle(self, raw_path: str) -> Response:
         url = urlsplit(raw_path)
@@ -106,6 +132,8 @@ class ViewerApp:
                 return self._static("index.html")
             if path.startswith("/static/"):
                 return self._static(path[len("/static/"):])
+            if path.startswith("/plots/"):
+                return self._plot(path[len("/plots/"):])
             if path.startswith("/api/"):
                 self.refresh()
                 return self._api(path[len("/api/"):], query)
@@ -120,6 +148,15 @@ class ViewerApp:
         if ctype.startswith("text/") or ctype.endswith("javascript"):
             ctype += "; charset=utf-8"
         return Response(200, (STATIC_DIR / name).read_bytes(), ctype)
+
+    def plots(self) -> list[str]:
+        ev = self.source.eval_json
+        return [n for n in PLOT_FILES if ev is not None and (ev.parent / n).is_file()]
+
+    def _plot(self, name: str) -> Response:
+        if name not in self.plots():
+            return _json(404, {"error": f"no such plot {name!r}"})
+        return Response(200, (self.source.eval_json.parent / name).read_bytes(), "image/png")
 
     def _api(self, route: str, q: dict[str, str]) -> Response:
         if route == "status":
@@ -145,9 +182,12 @@ class ViewerApp:
                 "trajectories": str(src.trajectories) if src.trajectories.is_file() else None,
                 "metrics": str(src.metrics) if src.metrics.is_file() else None,
                 "eval": str(src.eval_json) if src.eval_json else None,
+                "plots": self.plots(),
             },
             "episodes": len(self.episodes),
             "bytes_indexed": self.episodes.scanned,
+            "bytes_total": self.episodes.size(),
+            "indexing": self.episodes.busy or self.metrics.busy,
             "malformed": {"trajectories": self.episodes.bad_info(), "metrics": self.metrics.bad_info()},
             "facets": facets(self.episodes.summaries),
         }
@@ -237,11 +277,17 @@ class ViewerServer:
         self.thread.join(timeout=5)
 
 
-def serve(path: str | Path, host: str = "127.0.0.1", port: int = 0) -> ViewerServer:
-    """Index ``path`` and start serving it; the caller closes the returned server."""
+def serve(path: str | Path, host: str = "127.0.0.1", port: int = 0, wait: bool = True) -> ViewerServer:
+    """Serve ``path``; the caller closes the returned server.  With ``wait`` the files are indexed
+    before this returns; without, indexing runs in a background thread while the page already
+    answers (``/api/status`` says ``"indexing": true`` until it is done)."""
     app = ViewerApp(RunSource.resolve(path))
-    app.refresh()
-    return ViewerServer(app, host, port).start()
+    if wait:
+        app.refresh(blocking=True)
+        return ViewerServer(app, host, port).start()
+    server = ViewerServer(app, host, port).start()
+    threading.Thread(target=app.refresh, kwargs={"blocking": True}, name="viewer-index", daemon=True).start()
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,13 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
     args = ap.parse_args(argv)
     try:
-        server = serve(args.path, args.host, args.port)
+        source = RunSource.resolve(args.path)
+        big = source.trajectories.is_file() and source.trajectories.stat().st_size > BACKGROUND_INDEX_BYTES
+        server = serve(args.path, args.host, args.port, wait=not big)
     except ViewerError as exc:
         print(f"turnscale view: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"turnscale view: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"turnscale view: listening on {args.host}: anyone who can reach it can read these trajectories", file=sys.stderr)
     print(f"turnscale view: serving {args.path} at {server.url} (Ctrl-C to stop)", flush=True)
     try:
         server.thread.join()

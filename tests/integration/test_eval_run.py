@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def test_eval_cli_runs_two_turn_limits_on_a_local_server_and_writes_a_viewable_r
     doc = json.loads((out / "eval.json").read_text())
     assert doc["turns"] == [1, 2] and doc["checkpoints"] == ["tiny"] and doc["trajectories"] == "trajectories.jsonl"
     env_rows = [r for r in doc["rows"] if r["env"] == "babyai" and r["category"] == ""]
-    assert [r["turn_limit"] for r in env_rows] == [1, 2] and all(r["episodes"] + r["env_errors"] == 6 for r in env_rows)
+    assert [r["turn_limit"] for r in env_rows] == [1, 2] and all(r["episodes"] + r["errors"] == 6 for r in env_rows)
     assert (out / "turn_scaling.png").stat().st_size > 0 and (out / "pass_at_k.png").stat().st_size > 0
     copy = json.loads((tmp_path / "copy.json").read_text())
     assert (tmp_path / copy["trajectories"]).resolve() == (out / "trajectories.jsonl").resolve()
@@ -91,3 +92,30 @@ def test_eval_with_an_unreachable_env_url_fails_with_a_clear_message(tmp_path, t
            "++env.url=http://127.0.0.1:9"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not answer GET /health" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("envhub.textcraft") is None, reason="the TextCraft env family is not in this build")
+def test_eval_runs_two_env_families_in_one_report(tmp_path, tiny_model_dir):
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "turnscale", "eval", "--model", f"{tiny_model_dir}=tiny", "--env", "babyai,textcraft",
+           "--tasks", "0:2", "--turns", "1", "--out", str(out), "--no-progress",
+           "++sampling.max_new_tokens=8", "++sampling.max_context_tokens=3000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "eval.json").read_text())
+    overall = [(r["env"], r["category"]) for r in doc["rows"] if r["category"] == ""]
+    assert overall == [("babyai", ""), ("textcraft", ""), ("", "")]
+    recs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted((r["env"], r["data_idx"]) for r in recs) == [("babyai", 0), ("babyai", 1), ("textcraft", 0), ("textcraft", 1)]
+    assert all(r["category"] for r in recs)
+
+
+def test_eval_with_an_engine_that_is_not_installed_says_so(tmp_path, tiny_model_dir):
+    pytest.importorskip("actors.engine")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    cmd = [sys.executable, "-m", "turnscale", "eval", "--model", tiny_model_dir, "--tasks", "0:1", "--out", str(tmp_path), "engine=vllm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "engine 'vllm'" in proc.stderr and "Traceback" not in proc.stderr

@@ -30,14 +30,22 @@ def start_viewer(path: Path) -> tuple[subprocess.Popen, str]:
     """Start ``turnscale view`` on a free port and return (process, url) once it says where it listens."""
     proc = subprocess.Popen([sys.executable, "-m", "turnscale", "view", str(path), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if " at http://127.0.0.1:" in line:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout=30)
-    if not line or " at http://127.0.0.1:" not in line[0]:
+    if not lines or " at http://127.0.0.1:" not in lines[-1]:
         proc.kill()
-        raise AssertionError(f"viewer did not start: {line}")
-    return proc, line[0].split(" at ")[1].split()[0]
+        proc.wait(timeout=10)
+        raise AssertionError(f"viewer did not start: {lines}")
+    return proc, lines[-1].split(" at ")[1].split()[0]
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -78,7 +86,7 @@ def rows(page) -> list[str]:
 
 def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
     page, errors = browser_page
-    run = write_run_dir(tmp_path / "run", steps=8, groups_per_step=2, group_size=3, seed=11)
+    run = write_run_dir(tmp_path / "run", steps=10, groups_per_step=2, group_size=3, seed=11)
     eps = run.episodes
     proc, url = start_viewer(tmp_path / "run")
     try:
@@ -87,6 +95,16 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         page.wait_for_selector("[data-testid=episode-row-0]")
         assert page.inner_text("[data-testid=counts]") == f"{len(eps)} episodes"
         assert "3 in trajectories, 1 in metrics" in page.inner_text("[data-testid=malformed]")
+        assert "no-ckpt" in page.get_attribute("[data-testid=episodes]", "class")  # a training run has no checkpoint column
+
+        # pages of 50
+        assert len(eps) == 60 and rows(page) == [str(i) for i in range(50)]
+        page.click("[data-testid=next-page]")
+        page.wait_for_selector("[data-testid=episode-row-50]")
+        assert rows(page) == [str(i) for i in range(50, 60)] and page.inner_text("[data-testid=page-info]") == "51–60 of 60"
+        assert page.is_disabled("[data-testid=next-page]")
+        page.click("[data-testid=prev-page]")
+        page.wait_for_selector("[data-testid=episode-row-0]")
 
         # filter: env + success
         page.select_option("[data-testid=f-env]", "babyai")
@@ -126,6 +144,10 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         assert page.is_disabled("[data-testid=turn-next]")
         page.click("[data-testid=turn-first]")
         page.wait_for_function("() => document.querySelector('[data-testid=turn]').dataset.turn === '0'")
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function("() => document.querySelector('[data-testid=turn]').dataset.turn === '1'")
+        page.keyboard.press("ArrowLeft")
+        page.wait_for_function("() => document.querySelector('[data-testid=turn]').dataset.turn === '0'")
 
         # compare with a sibling of the same task
         sibling = int(page.locator("[data-testid=same-task] option").first.get_attribute("value"))
@@ -137,6 +159,13 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         assert f"Episode {sibling}" in page.inner_text("[data-testid=cmp-b]")
         assert page.locator("[data-testid=cmp-b] [data-testid^=cmp-turn-]").count() == eps[sibling]["num_turns"]
         assert eps[sibling]["turns"][0]["output_text"] in page.inner_text("[data-testid=cmp-b]")
+        ta, tb = [t["action"] for t in ep["turns"]], [t["action"] for t in eps[sibling]["turns"]]
+        d = next((j for j in range(min(len(ta), len(tb))) if ta[j] != tb[j]), None if len(ta) == len(tb) else min(len(ta), len(tb)))
+        if d is None:
+            assert page.inner_text("[data-testid=cmp-diverge]") == "Both episodes took the same actions."
+        else:
+            assert page.inner_text("[data-testid=cmp-diverge]") == f"First different action at turn {d + 1}."
+            assert page.locator(".diverge").count() == sum(d < len(x) for x in (ta, tb))
         save_shot(page, tmp_path, "viewer-compare.png")
 
         # curve click lists that step's episodes
@@ -164,6 +193,15 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         page.goto(url + "#/?step=3")
         page.wait_for_selector("[data-testid=episode-row-" + want[0] + "]")
         save_shot(page, tmp_path, "viewer-step.png")
+
+        # a live run grows: reload picks up the new episode
+        import json
+
+        with open(run.path / "trajectories.jsonl", "a") as f:
+            f.write(json.dumps({**eps[0], "step": 3}) + "\n")
+        page.click("[data-testid=reload]")
+        page.wait_for_function("n => document.querySelector('[data-testid=counts]').textContent === n + ' episodes'", arg=len(eps) + 1)
+        page.wait_for_selector(f"[data-testid=episode-row-{len(eps)}]")
         assert errors == []
     finally:
         stop(proc)
@@ -172,14 +210,17 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
 def test_eval_report_page_shows_every_row(tmp_path, browser_page):
     from turnscale.evaluate import main as eval_main
 
-    page, errors = browser_page
-    run = write_run_dir(tmp_path / "run", seed=4, group_size=4)
-    out = tmp_path / "eval"
-    assert eval_main(["--from-jsonl", f"{run.path}/trajectories.jsonl=base", "--k", "1,2", "--out", str(out)]) == 0
     import json
 
+    page, errors = browser_page
+    run = write_run_dir(tmp_path / "run", seed=4, group_size=4, malformed=False)
+    traj = run.path / "trajectories.jsonl"
+    traj.write_text("".join(json.dumps({**e, "checkpoint": "base", "sample": e["episode"]}) + "\n" for e in run.episodes))
+    out = tmp_path / "eval"
+    assert eval_main(["--from-jsonl", str(traj), "--k", "1,2", "--out", str(out)]) == 0
     doc = json.loads((out / "eval.json").read_text())
-    proc, url = start_viewer(out / "eval.json")
+    assert doc["trajectories"] == "../run/trajectories.jsonl"
+    proc, url = start_viewer(out)
     try:
         page.goto(url)
         page.wait_for_selector("[data-testid=nav-eval]:not([hidden])")
@@ -189,10 +230,23 @@ def test_eval_report_page_shows_every_row(tmp_path, browser_page):
             "trs => trs.map(tr => [...tr.children].map(td => td.textContent))")
         assert len(cells) == len(doc["rows"])
         first = doc["rows"][0]
-        assert cells[0][:4] == [first["checkpoint"], str(first["turn_limit"]), first["env"], "(all)"]
-        assert float(cells[0][6]) == round(first["success"], 3)
+        assert cells[0][1:5] == [first["checkpoint"], str(first["turn_limit"]), first["env"], "(all)"]
+        assert float(cells[0][8]) == round(first["success"], 3)
+        last = doc["rows"][-1]
+        assert last["env"] == "" and cells[-1][3:5] == ["(all)", "(all)"]  # the all-envs row
         assert "Pass@2" in page.inner_text("[data-testid=eval-table] thead")
+        for plot in ("turn_scaling.png", "pass_at_k.png"):  # the report's plots, loaded from the server
+            page.wait_for_function("t => { const i = document.querySelector(`[data-testid='plot-${t}']`); return i && i.complete && i.naturalWidth > 100; }", arg=plot)
         save_shot(page, tmp_path, "viewer-eval.png")
+
+        # a row links to its episodes
+        page.click("[data-testid=eval-link-0]")
+        page.wait_for_selector("[data-testid=episodes]:not(.no-ckpt)")  # eval episodes show their checkpoint
+        want = [i for i, e in enumerate(run.episodes) if e["turn_limit"] == first["turn_limit"] and e["env"] == first["env"]]
+        page.wait_for_function("n => document.querySelector('[data-testid=list-total]').textContent === n + ' matching'", arg=len(want))
+        assert len(want) == first["episodes"] + first["errors"]
+        assert page.input_value("[data-testid=f-turn-limit]") == str(first["turn_limit"])
+        assert page.input_value("[data-testid=f-checkpoint]") == "base"
         assert errors == []
     finally:
         stop(proc)

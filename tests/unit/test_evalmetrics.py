@@ -1,4 +1,4 @@
-"""Eval metrics on hand-computed numbers: unbiased Pass@k, Avg@k, grouping, env_error exclusion."""
+"""Eval metrics on hand-computed numbers: unbiased Pass@k, Avg@k, grouping, error exclusion."""
 
 from __future__ import annotations
 
@@ -40,13 +40,14 @@ def babyai_results():
     for s in range(4):
         rs.append(ep("babyai", "L2", 40, s, 0.0, False, 5))
     rs.append(ep("babyai", "L2", 40, 4, 0.0, False, 1, finish="env_error"))
+    rs.append(ep("babyai", "L1", 1, 4, 0.0, False, 1, finish="aborted"))
     return rs
 
 
 def test_rows_per_category_and_env_match_hand_computed_numbers():
     rows = {(r.env, r.category): r for r in report_rows(babyai_results(), ks=[1, 2, 4, 8])}
     l1 = rows[("babyai", "L1")]
-    assert (l1.tasks, l1.episodes, l1.env_errors, l1.samples_per_task) == (2, 8, 0, 4)
+    assert (l1.tasks, l1.episodes, l1.errors, l1.samples_per_task) == (2, 8, 1, 4)
     assert l1.success == pytest.approx(3 / 8)
     assert l1.mean_reward == pytest.approx(2.1 / 8)
     assert l1.mean_turns == pytest.approx(34 / 8)
@@ -56,9 +57,9 @@ def test_rows_per_category_and_env_match_hand_computed_numbers():
     assert l1.pass_at_k[4] == pytest.approx(1.0)
     assert l1.pass_at_k[8] is None and l1.avg_at_k[8] is None  # only 4 samples per task
     l2 = rows[("babyai", "L2")]
-    assert (l2.tasks, l2.episodes, l2.env_errors, l2.success, l2.pass_at_k[4]) == (1, 4, 1, 0.0, 0.0)
+    assert (l2.tasks, l2.episodes, l2.errors, l2.success, l2.pass_at_k[4]) == (1, 4, 1, 0.0, 0.0)
     env = rows[("babyai", "")]
-    assert (env.tasks, env.episodes, env.env_errors) == (3, 12, 1)
+    assert (env.tasks, env.episodes, env.errors) == (3, 12, 2)
     assert env.success == pytest.approx(0.25) and env.mean_reward == pytest.approx(2.1 / 12)
     assert env.pass_at_k[2] == pytest.approx((0.5 + 5 / 6 + 0) / 3)
     assert ("", "") not in rows  # one env: no all-envs row
@@ -90,7 +91,7 @@ def test_several_envs_checkpoints_and_turn_limits_get_their_own_rows_in_order():
 
 def test_empty_group_gives_none_not_a_crash():
     row = summarize("A", 10, "babyai", "", [ep("babyai", "L1", 0, 0, 0, False, finish="env_error")], [1])
-    assert row.episodes == 0 and row.success is None and row.pass_at_k[1] is None and row.env_errors == 1
+    assert row.episodes == 0 and row.success is None and row.pass_at_k[1] is None and row.errors == 1
 
 
 def test_from_record_reads_the_learner_format_and_names_a_missing_field():

@@ -59,3 +59,21 @@ def test_usage_errors_exit_2_with_a_message(argv, msg, capsys, tmp_path):
 def test_run_mode_with_a_missing_model_folder_says_so(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--tasks", "0:2", "--out", str(tmp_path / "o")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_model_paths_resolve_to_hf_folders_in_checkpoints(tmp_path):
+    from turnscale.evalrun import EvalRunError, resolve_model_dir
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert resolve_model_dir(str(hf)) == str(hf)
+    root = tmp_path / "ckpts"
+    for step in (50, 100, 7):
+        (root / f"step-{step:08d}" / "model").mkdir(parents=True)
+        (root / f"step-{step:08d}" / "model" / "config.json").write_text("{}")
+    (root / ".tmp-step-00000200-ab" / "model").mkdir(parents=True)
+    assert resolve_model_dir(str(root)) == str(root / "step-00000100" / "model")
+    assert resolve_model_dir(str(root / "step-00000050")) == str(root / "step-00000050" / "model")
+    with pytest.raises(EvalRunError, match="no config.json"):
+        resolve_model_dir(str(tmp_path))

@@ -103,6 +103,31 @@ def test_facets_and_metric_series(tmp_path):
     run = write_run_dir(tmp_path, seed=2)
     f = facets(episode_summary(e) for e in run.episodes)
     assert f["env"] == ["babyai", "textcraft"] and f["step_range"] == [0, 5]
-    series = metric_series(run.metrics + [{"step": 9, "x": float("nan"), "flag": True}, {"no_step": 1}])
+    series = metric_series([{**m, "time": 1.7e9 + i} for i, m in enumerate(run.metrics)]
+                           + [{"step": 9, "x": float("nan"), "flag": True}, {"no_step": 1}])
     assert series["rollout/success"] == [[m["step"], m["rollout/success"]] for m in run.metrics]
-    assert "x" not in series and "flag" not in series
+    assert "x" not in series and "flag" not in series and "time" not in series
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+_objs = st.dictionaries(st.sampled_from(["step", "env", "x"]), st.one_of(st.integers(), st.text(max_size=30)), max_size=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(objs=st.lists(_objs, max_size=12), chunk=st.integers(1, 64), cuts=st.lists(st.integers(0, 2000), max_size=4))
+def test_index_equals_the_valid_lines_whatever_the_chunking_and_append_points(tmp_path_factory, objs, chunk, cuts):
+    path = tmp_path_factory.mktemp("h") / "t.jsonl"
+    data = "".join(json.dumps(o) + "\n" for o in objs).encode()
+    idx = JsonlIndex(str(path))
+    path.write_bytes(b"")
+    written = 0
+    for cut in sorted(c % (len(data) + 1) for c in cuts) + [len(data)]:
+        with open(path, "ab") as f:
+            f.write(data[written:cut])
+        written = max(written, cut)
+        idx.refresh(chunk_bytes=chunk)
+        complete = data[:written].count(b"\n")
+        assert len(idx) == complete
+    assert [idx.read(i) for i in range(len(idx))] == objs and idx.bad_count == 0

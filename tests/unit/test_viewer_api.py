@@ -96,6 +96,7 @@ def test_an_eval_json_is_a_source_with_its_report(tmp_path):
     try:
         code, rep = get(server.url + "api/eval")
         assert code == 200 and rep["k"] == [1]
+        assert get(server.url + "plots/turn_scaling.png")[0] == 404  # none written beside this report
     finally:
         server.close()
 
@@ -105,3 +106,78 @@ def test_a_path_with_nothing_to_show_is_a_clear_error(tmp_path):
         RunSource.resolve(tmp_path / "missing")
     with pytest.raises(ViewerError, match="neither"):
         RunSource.resolve(tmp_path)
+
+
+def test_nan_and_infinity_in_records_are_served_as_null(tmp_path):
+    run = write_run_dir(tmp_path, malformed=False)
+    ep = {**run.episodes[0], "reward": float("nan")}
+    ep["turns"] = [{**ep["turns"][0], "logprob_min": float("-inf")}]
+    with open(tmp_path / "trajectories.jsonl", "a") as f:
+        f.write(json.dumps(ep) + "\n")  # Python writes NaN / -Infinity
+    server = serve(tmp_path)
+    try:
+        n = len(run.episodes)
+        code, rec = get(server.url + f"api/episode/{n}")
+        assert code == 200 and rec["reward"] is None and rec["turns"][0]["logprob_min"] is None
+        code, page = get(server.url + f"api/episodes?offset={n}")
+        assert code == 200 and page["items"][0]["reward"] is None
+    finally:
+        server.close()
+
+
+def test_requests_are_answered_while_a_big_file_is_still_being_indexed(tmp_path):
+    import threading
+
+    from turnscale.viewer import RunSource, ViewerApp
+
+    run = write_run_dir(tmp_path, malformed=False)
+    app = ViewerApp(RunSource.resolve(tmp_path))
+    app.episodes._lock.acquire()  # a background scan holds the index
+    try:
+        done = threading.Event()
+        result = {}
+
+        def ask():
+            result["status"] = json.loads(app.handle("/api/status").body)
+            done.set()
+
+        threading.Thread(target=ask, daemon=True).start()
+        assert done.wait(5), "a request waited for the scan"
+        assert result["status"]["indexing"] is True and result["status"]["episodes"] == 0
+    finally:
+        app.episodes._lock.release()
+    status = json.loads(app.handle("/api/status").body)
+    assert status["indexing"] is False and status["episodes"] == len(run.episodes)
+    assert status["bytes_indexed"] == status["bytes_total"] > 0
+
+
+def test_serve_without_waiting_indexes_in_the_background(tmp_path):
+    import time
+
+    run = write_run_dir(tmp_path, malformed=False)
+    server = serve(tmp_path, wait=False)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            _, s = get(server.url + "api/status")
+            if not s["indexing"] and s["episodes"] == len(run.episodes):
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        server.close()
+
+
+def test_view_cli_errors_exit_2_with_a_message(tmp_path, capsys):
+    import socket
+
+    from turnscale.viewer import main
+
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    write_run_dir(tmp_path, malformed=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main([str(tmp_path), "--port", str(busy.getsockname()[1])]) == 2
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err

@@ -4,10 +4,10 @@
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
-const FILTER_KEYS = ["env", "task", "split", "category", "checkpoint", "success", "finish_reason",
+const FILTER_KEYS = ["env", "task", "split", "category", "checkpoint", "success", "finish_reason", "turn_limit",
   "step_min", "step_max", "version_min", "version_max", "step"];
 const PAGE = 50;
-const DEFAULT_CURVES = ["rollout/success", "rollout/return", "schedule/turn_limit"];
+const DEFAULT_CURVES = ["rollout/success", "rollout/return", "schedule/turn_limit", "rollout/turn_limit"];
 const state = { status: null, metrics: null, episode: null, selected: new Set(), selectedTask: null };
 
 function el(tag, attrs = {}, ...children) {
@@ -79,6 +79,19 @@ async function loadStatus() {
     select.value = keep;
   }
   $("#nav-eval").hidden = !s.files.eval;
+  const idx = $("#indexing");
+  idx.hidden = !s.indexing;
+  if (s.indexing) {
+    const mb = (b) => (b / 1e6).toFixed(0);
+    idx.textContent = `Indexing trajectories: ${mb(s.bytes_indexed)} of ${mb(s.bytes_total)} MB (${s.episodes} episodes so far)…`;
+    setTimeout(pollIndexing, 1000);
+  }
+  $("#episodes").classList.toggle("no-ckpt", s.facets.checkpoint.length === 0);
+}
+
+async function pollIndexing() {
+  try { await loadStatus(); } catch (e) { showError(e.message); return; }
+  if (!$("#view-list").hidden) await route();
 }
 
 // ------------------------------------------------------------------ curves
@@ -183,6 +196,7 @@ async function showList(q) {
     box.addEventListener("change", () => pick(e, box.checked));
     return el("tr", { "data-testid": `episode-row-${e.id}`, "data-id": e.id },
       el("td", {}, el("a", { href: `#/episode/${e.id}`, "data-testid": `open-${e.id}`, text: String(e.id) })),
+      el("td", { class: "ckpt", text: e.checkpoint || "" }),
       el("td", { text: fmt(e.step) }), el("td", { text: fmt(e.version) }), el("td", { text: fmt(e.env) }),
       el("td", { text: e.task_id || fmt(e.data_idx) }), el("td", { text: fmt(e.category) }), el("td", { text: fmt(e.split) }),
       el("td", { text: fmt(e.turn_limit) }), el("td", { text: fmt(e.num_turns) }), el("td", { text: fmt(e.finish_reason) }),
@@ -298,8 +312,18 @@ async function showEpisode(id, q) {
 
 // ------------------------------------------------------------------ compare
 
-function compareColumn(ep) {
-  const blocks = (ep.turns || []).map((t, j) => turnBlock(ep, t, j === 0 ? ep.prompt : ep.turns[j - 1].observation, `cmp-turn-${j}`));
+function firstDivergence(a, b) {
+  const ta = a.turns || [], tb = b.turns || [];
+  for (let j = 0; j < Math.min(ta.length, tb.length); j++) if (ta[j].action !== tb[j].action) return j;
+  return ta.length === tb.length ? -1 : Math.min(ta.length, tb.length);
+}
+
+function compareColumn(ep, diverge) {
+  const blocks = (ep.turns || []).map((t, j) => {
+    const b = turnBlock(ep, t, j === 0 ? ep.prompt : ep.turns[j - 1].observation, `cmp-turn-${j}`);
+    if (j === diverge) b.classList.add("diverge");
+    return b;
+  });
   return [el("h3", {}, el("a", { href: `#/episode/${ep.id}`, text: `Episode ${ep.id}` }), ` — ${ep.success ? "success" : "failure"}, reward ${fmt(ep.reward)}, ${ep.num_turns} turns`),
     el("dl", { class: "meta" }, ...metaList(ep)), ...blocks];
 }
@@ -311,8 +335,10 @@ async function showCompare(a, b) {
   const same = ea.env === eb.env && ea.data_idx === eb.data_idx;
   warn.hidden = same;
   warn.textContent = same ? "" : `These episodes are of different tasks (${ea.env} ${ea.data_idx} vs ${eb.env} ${eb.data_idx}).`;
-  $("#cmp-a").replaceChildren(...compareColumn(ea));
-  $("#cmp-b").replaceChildren(...compareColumn(eb));
+  const d = firstDivergence(ea, eb);
+  $("#cmp-diverge").textContent = d < 0 ? "Both episodes took the same actions." : `First different action at turn ${d + 1}.`;
+  $("#cmp-a").replaceChildren(...compareColumn(ea, d));
+  $("#cmp-b").replaceChildren(...compareColumn(eb, d));
 }
 
 // ------------------------------------------------------------------ eval report
@@ -321,14 +347,24 @@ async function showEval() {
   const rep = await api("/api/eval");
   const rows = rep.rows || [];
   const ks = rep.k || [];
-  const head = ["checkpoint", "turn limit", "env", "category", "tasks", "episodes", "success", "mean reward", "mean turns",
+  const head = ["", "checkpoint", "turn limit", "env", "category", "tasks", "episodes", "errors", "success", "mean reward", "mean turns",
     ...ks.map((k) => `Avg@${k}`), ...ks.map((k) => `Pass@${k}`)];
   const table = el("table", { class: "grid", "data-testid": "eval-table" },
     el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { text: h })))),
-    el("tbody", {}, ...rows.map((r) => el("tr", {},
-      ...[r.checkpoint, r.turn_limit, r.env, r.category || "(all)", r.tasks, r.episodes, r.success, r.mean_reward, r.mean_turns,
+    el("tbody", {}, ...rows.map((r, i) => el("tr", { "data-testid": `eval-row-${i}` },
+      el("td", {}, el("a", { href: evalLink(r), "data-testid": `eval-link-${i}`, text: "episodes" })),
+      ...[r.checkpoint, r.turn_limit, r.env || "(all)", r.category || "(all)", r.tasks, r.episodes, r.errors, r.success, r.mean_reward, r.mean_turns,
         ...ks.map((k) => (r.avg_at_k || {})[k]), ...ks.map((k) => (r.pass_at_k || {})[k])].map((v) => el("td", { text: fmt(v) }))))));
-  $("#eval-body").replaceChildren(el("p", { class: "hint", text: rep.pass_rule || "" }), table);
+  const plots = ((state.status || {}).files || {}).plots || [];
+  $("#eval-body").replaceChildren(el("p", { class: "hint", text: rep.pass_rule || "" }), table,
+    el("div", { class: "plots" }, ...plots.map((n) => el("img", { src: `/plots/${n}`, alt: n, "data-testid": `plot-${n}` }))));
+}
+
+function evalLink(r) {
+  const f = { checkpoint: r.checkpoint, turn_limit: r.turn_limit };
+  if (r.env) f.env = r.env;
+  if (r.category) f.category = r.category;
+  return listHash(f, 0);
 }
 
 // ------------------------------------------------------------------ router
@@ -365,6 +401,16 @@ function wire() {
     drawCharts(query.get("step") !== null ? Number(query.get("step")) : null);
   });
   window.addEventListener("hashchange", route);
+  $("#reload").addEventListener("click", async () => {
+    state.episode = null;
+    try { await loadStatus(); await loadMetrics(); } catch (e) { showError(e.message); return; }
+    await route();
+  });
+  document.addEventListener("keydown", (ev) => {
+    if ($("#view-episode").hidden || ["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName)) return;
+    if (ev.key === "ArrowRight" && !$("#turn-next").disabled) $("#turn-next").click();
+    if (ev.key === "ArrowLeft" && !$("#turn-prev").disabled) $("#turn-prev").click();
+  });
 }
 
 (async function start() {
