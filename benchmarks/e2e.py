@@ -115,7 +115,7 @@ def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], lear
         f"learner.steps={spec.steps}", f"learner.seed={spec.seed}", f"learner.dir={learner_dir}",
         f"learner.checkpoint_every={spec.steps + 1000}", "learner.save_trajectories=true",
         f"schedule.turns=[{spec.turn_limit}]", f"sampling.max_new_tokens={spec.max_new_tokens}",
-        "logger.tensorboard=false", "logger.console_every_s=5",
+        "learner.heartbeat_interval_s=1", "logger.tensorboard=false", "logger.console_every_s=5",
     ]
 
 
@@ -201,8 +201,10 @@ def per_run(o: Outcome) -> list[Result]:
         total = sum(s.staleness_hist.values())
         mean = sum(k * v for k, v in s.staleness_hist.items()) / max(total, 1)
         out.append(result(f"{n}_staleness_mean", mean, "versions", f"max_staleness={o.spec.max_staleness}", max(o.spec.max_staleness, 1)))
-    for key, val in sorted(s.extra.items()):
-        out.append(result(f"{n}_{key.replace('/', '_')}", val, "s" if key.endswith("_s") else "fraction", "reported only", 1.0))
+    if "actor_engine_busy" in s.extra:
+        out.append(result(f"{n}_actor_engine_busy", s.extra["actor_engine_busy"], "fraction", "always busy", 1.0))
+    if "weight_sync_s" in s.extra:
+        out.append(result(f"{n}_weight_sync_s", s.extra["weight_sync_s"], "s/version", "learner step time", s.step_time_s, lower_is_better=True))
     return out
 
 

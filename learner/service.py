@@ -45,7 +45,7 @@ import zmq
 
 from conf.schema import Config
 from learner.leases import LeaseManager
-from learner.metrics import NullLogger, StepMetrics, record_group, record_train
+from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_group, record_train
 from learner.tasks import TaskStream, parse_task_spec
 from learner.trajlog import NullTrajectoryLog
 from protocol import codec
@@ -278,6 +278,7 @@ class LearnerService:
         m.add("perf/leases_in_flight", self.leases.in_flight, "last")
         m.add("rollout/turn_limit", max(g.turn_limit for g in batch), "last")
         m.add("rollout/trained_groups_total", self.trained_groups, "last")
+        record_actor_stats(m, [a.stats for a in self.actors.values()])
         self._last_step_end = t1
         self.parts.logger.write(self.step, m.reduce())
 

@@ -94,3 +94,22 @@ def test_default_flags_parse_and_size_the_comparison():
     assert args.e2e_actors == 4 and args.e2e_staleness == 2 and args.e2e_scaling == "1,2,4,8"
     args = p.parse_args(["--e2e-steps", "3", "--e2e-parts", "sim"])
     assert args.e2e_steps == 3 and args.e2e_parts == "sim"
+
+
+def test_actor_engine_busy_and_weight_sync_come_from_the_logged_actor_counters():
+    m = _metrics([10.0, 12.0, 14.0])
+    m[0].update({"actors/count": 2, "actors/engine_busy_s": 5.0, "actors/weight_pulls": 2, "actors/weight_pull_s": 0.2})
+    m[2].update({"actors/count": 2, "actors/engine_busy_s": 8.0, "actors/weight_pulls": 6, "actors/weight_pull_s": 0.6})
+    s = summarize(m, [], groups_per_step=2)
+    assert s.extra["actor_engine_busy"] == pytest.approx(3.0 / (4.0 * 2))
+    assert s.extra["weight_sync_s"] == pytest.approx(0.1)
+    assert summarize(_metrics([1.0, 2.0]), [], groups_per_step=2).extra == {}
+
+
+def test_learner_logs_the_sum_of_actor_counters():
+    from learner.metrics import StepMetrics, record_actor_stats
+
+    m = StepMetrics()
+    record_actor_stats(m, [{"engine_busy_s": 1.5, "weight_pulls": 2.0}, {"engine_busy_s": 0.5, "bad": float("nan")}])
+    out = m.reduce()
+    assert out == {"actors/count": 2.0, "actors/engine_busy_s": 2.0, "actors/weight_pulls": 2.0}
