@@ -151,6 +151,10 @@ class LearnerService:
         self._have_groups = trio.Event()
         self._last_step_end = time.monotonic()
         self._ctx: zmq.Context | None = None
+        self.train_lock = trio.Lock()
+        """Held while a step trains, publishes and checkpoints (a signal handler saving a
+        checkpoint takes it, so it never saves a model mid-update)."""
+        self.last_checkpoint_step = -1
         self.ready = trio.Event()
         """Set once sockets are bound and version 0 (or the resumed version) is published."""
 
@@ -172,6 +176,7 @@ class LearnerService:
         extra = ck.load_latest() if ck is not None else None
         if extra is None:
             return False
+        self.last_checkpoint_step = self.step
         if int(extra["step"]) != self.step:
             raise RuntimeError(f"checkpoint says step {extra['step']} but the trainer restored step {self.step}")
         self.version = int(extra["version"])
@@ -251,13 +256,21 @@ class LearnerService:
                 self._have_groups = trio.Event()
                 await self._have_groups.wait()
             batch, self.buffer = self.buffer[:gps], self.buffer[gps:]
-            await self._train_one(batch)
-            if self.step % lc.publish_every == 0:
-                await self._publish_weights(self.version + 1)
-            self.leases.turn_limit = self.turn_limit
-            if self.parts.checkpointer is not None and (self.step % lc.checkpoint_every == 0 or self.step >= lc.steps):
-                extra = self.checkpoint_extra()
-                await trio.to_thread.run_sync(self.parts.checkpointer.save, self.step, extra)
+            async with self.train_lock:
+                await self._train_one(batch)
+                if self.step % lc.publish_every == 0:
+                    await self._publish_weights(self.version + 1)
+                self.leases.turn_limit = self.turn_limit
+                if self.step % lc.checkpoint_every == 0 or self.step >= lc.steps:
+                    await self.save_checkpoint()
+
+    async def save_checkpoint(self) -> None:
+        """Checkpoint the current step (once per step; no-op without a checkpointer)."""
+        if self.parts.checkpointer is None or self.last_checkpoint_step == self.step:
+            return
+        extra = self.checkpoint_extra()
+        await trio.to_thread.run_sync(self.parts.checkpointer.save, self.step, extra)
+        self.last_checkpoint_step = self.step
 
     async def _train_one(self, batch: list[TrajectoryGroup]) -> None:
         t0 = time.monotonic()

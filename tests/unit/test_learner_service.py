@@ -200,11 +200,11 @@ def test_resume_restores_version_step_and_task_cursor():
     async def play(svc, ctx, actor):
         req = await client(ctx, svc.cfg)
         await req.request(Hello(actor_id=actor, host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
-        tasks = []
+        tasks = {}
         while svc.step < svc.cfg.learner.steps:
             g = await req.request(LeaseRequest(actor_id=actor, max_leases=4), timeout_s=5)
             for lease in g.leases:
-                tasks.append((lease.task.data_idx, lease.turn_limit, lease.policy_version))
+                tasks[lease.lease_id] = (lease.task.data_idx, lease.turn_limit, lease.policy_version)
                 await req.request(make_group(lease, actor_id=actor), timeout_s=5)
             if not g.leases:
                 await trio.sleep(0.02)
@@ -243,5 +243,7 @@ def test_resume_restores_version_step_and_task_cursor():
         return out
 
     second = trio.run(main)
-    assert [t[0] for t in first + second] == [t[0] for t in ref]
-    assert [t[1:] for t in second] == [(13, 2), (13, 2), (13, 3), (13, 3)]
+    # what was trained, in order: the resumed pair equals the straight run
+    done = [first[l] for l in trainer.trained] + [second[l] for l in trainer2.trained]
+    assert [t[0] for t in done] == [ref[l][0] for l in ref_trainer.trained]
+    assert [second[l][1:] for l in trainer2.trained] == [(13, 2), (13, 2), (13, 3), (13, 3)]

@@ -1,0 +1,3 @@
+from actors.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from learner.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""``turnscale learner [hydra overrides]`` / ``python -m learner``: build the parts, run the loop.
+
+``run(cfg)`` reads top to bottom: model path -> trainer -> schedule -> weight publisher ->
+checkpointer -> loggers -> service (-> resume) -> serve.  Everything the loop does is in
+``learner.service``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any, Iterable
+
+from conf.schema import Config
+
+log = logging.getLogger("turnscale.learner")
+
+FALLBACK_CORPUS = [
+    "Your goal: go to the red ball. You see a wall 3 steps forward. Available actions: [turn left, turn right, move forward]",
+    "Thought: I should move toward the goal.\nAction: move forward",
+    "Crafting commands:\ncraft 4 oak planks using 1 oak log\n\nGoal: craft stick.",
+    "<search> who wrote the book </search> <information> Doc 1(Title: t) text </information> <answer> yes </answer>",
+]
+
+
+def env_corpus(cfg: Config, episodes: int = 24) -> list[str]:
+    """Text for the tiny model's tokenizer: the env's own observations from a few episodes
+    (played in-process), the actors' instruction prompt, and a few fixed lines."""
+    texts: list[str] = list(FALLBACK_CORPUS)
+    try:
+        from actors.prompts import instruction
+
+        texts.append(instruction(cfg.env.name))
+    except (ImportError, ValueError):
+        pass
+    try:
+        from envhub.registry import make_family
+
+        family = make_family(cfg.env)
+    except Exception as exc:  # env deps missing: the fixed lines still make a usable tokenizer
+        log.warning("tiny-model corpus: env %s unavailable (%s); using built-in text only", cfg.env.name, exc)
+        return texts
+    try:
+        env = family.create()
+        for i in range(episodes):
+            r = env.reset(i)
+            texts.append(r.observation)
+            for action in ("move forward", "turn left", "check available actions"):
+                texts.append(env.step(action).observation)
+        env.close()
+    except Exception as exc:
+        log.warning("tiny-model corpus: playing %s failed (%s); using what was collected", cfg.env.name, exc)
+    finally:
+        family.close()
+    return texts
+
+
+def resolve_model_path(cfg: Config) -> str:
+    """``learner.init_from`` when set, else ``model.path`` (``tiny``: built once and cached)."""
+    if cfg.learner.init_from:
+        return cfg.learner.init_from
+    from turnscale.tinymodel import ensure_model
+
+    return ensure_model(cfg.model, lambda: env_corpus(cfg))
+
+
+class TrainerCheckpointer:
+    """``service.CheckpointerLike`` over ``Trainer.save_checkpoint`` / ``load_checkpoint``."""
+
+    def __init__(self, trainer: Any, root: str, schedule: Any, keep: int) -> None:
+        self.trainer, self.root, self.schedule, self.keep = trainer, root, schedule, keep
+
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        path = self.trainer.save_checkpoint(self.root, schedule=self.schedule.state_dict(step), extra=extra, keep=self.keep)
+        log.info("checkpoint %s", path)
+
+    def load_latest(self) -> dict[str, Any] | None:
+        from learner import checkpoint
+
+        path = checkpoint.latest(self.root)
+        if path is None:
+            return None
+        loaded = self.trainer.load_checkpoint(path)
+        if loaded.schedule is not None:
+            self.schedule.check_resume(loaded.schedule, loaded.step)
+        return dict(loaded.extra)
+
+
+async def run(cfg: Config) -> int:
+    import trio
+
+    from learner.metrics import make_logger
+    from learner.schedule import TurnSchedule
+    from learner.service import LearnerService, ServiceParts
+    from learner.trainer import Trainer
+    from learner.trajlog import NullTrajectoryLog, TrajectoryLog
+    from learner.weights import WeightPublisher
+    from protocol.transport import tcp_endpoint
+
+    lc = cfg.learner
+    os.makedirs(lc.dir, exist_ok=True)
+    model_path = await trio.to_thread.run_sync(resolve_model_path, cfg)
+    trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
+    schedule = TurnSchedule.from_config(cfg.schedule)
+    publisher = WeightPublisher(tcp_endpoint(lc.host, lc.weights_port), chunk_mb=lc.chunk_mb, dtype=lc.transfer_dtype)
+    logger = make_logger(cfg.logger, lc.dir)
+    trajlog = TrajectoryLog(lc.dir, decode=trainer.tokenizer.decode) if lc.save_trajectories else NullTrajectoryLog()
+    parts = ServiceParts(
+        trainer=trainer, publisher=publisher, weights=lambda: trainer.state_dict_for_publish(lc.transfer_dtype),
+        schedule=schedule, checkpointer=TrainerCheckpointer(trainer, os.path.join(lc.dir, "checkpoints"), schedule, lc.keep_checkpoints),
+        logger=logger, trajlog=trajlog, model_path=model_path,
+    )
+    service = LearnerService(cfg, parts)
+    try:
+        if lc.resume and not await trio.to_thread.run_sync(service.restore):
+            log.info("resume=true but no checkpoint under %s; starting fresh", lc.dir)
+        async with trio.open_nursery() as n:
+            n.start_soon(_stop_on_signal, n.cancel_scope, service)
+            await service.serve()
+            n.cancel_scope.cancel()
+    finally:
+        publisher.close()
+        logger.close()
+        trajlog.close()
+    return 0
+
+
+async def _stop_on_signal(scope: Any, service: Any) -> None:
+    """SIGTERM/SIGINT: checkpoint (when a checkpointer is configured) and stop; actors keep
+    running and reconnect when a learner with ``resume=true`` comes back."""
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+        async for sig in sigs:
+            log.info("learner got %s; checkpointing and stopping", signal.Signals(sig).name)
+            if service.step > 0:
+                with trio.CancelScope(shield=True):
+                    async with service.train_lock:
+                        await service.save_checkpoint()
+            scope.cancel()
+            return
+
+
+def setup_process() -> None:
+    logging.basicConfig(level=os.environ.get("TURNSCALE_LOG", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    import trio
+
+    import conf
+
+    cfg = conf.load(list(sys.argv[1:] if argv is None else argv))
+    setup_process()
+    return trio.run(run, cfg)
