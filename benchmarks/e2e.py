@@ -168,7 +168,7 @@ def _details(o: Outcome) -> dict[str, Any]:
         "groups_per_s": s.groups_per_s, "tokens_per_s": s.tokens_per_s, "learner_busy": s.learner_busy,
         "step_time_s": s.step_time_s, "staleness_hist": s.staleness_hist, "dropped": s.dropped, "extra": s.extra,
         "groups": [{"lease_id": g.lease_id, "data_idx": g.data_idx, "accepted": g.accepted,
-                    "episode_s": list(g.episode_s), "turns": list(g.turns), "sampled_tokens": g.sampled_tokens} for g in s.groups],
+                    "lease_s": g.lease_s, "episode_s": list(g.episode_s), "turns": list(g.turns), "sampled_tokens": g.sampled_tokens} for g in s.groups],
     }
 
 

@@ -30,11 +30,15 @@ class GroupCost:
     """Per episode: the sum over its turns of generation and env latency."""
     sampled_tokens: int
     turns: tuple[int, ...]
+    lease_s: float = -1.0
+    """Learner clock from the lease's grant to the group's arrival (-1: not logged):
+    what the group really cost its slot, env resets and round trips included."""
 
     @property
     def duration_s(self) -> float:
-        """A group is done when its slowest episode is."""
-        return max(self.episode_s, default=0.0)
+        """The slot time of the group: ``lease_s`` when logged, else its slowest episode's
+        generation + env time (a group is done when its slowest episode is)."""
+        return self.lease_s if self.lease_s >= 0 else max(self.episode_s, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def group_costs(episodes: Iterable[Mapping[str, Any]]) -> list[GroupCost]:
         eps = tuple(sum(float(t.get("gen_latency_s", 0.0)) + float(t.get("env_latency_s", 0.0)) for t in e.get("turns", [])) for e in cur)
         toks = sum(int(t.get("num_tokens", 0)) for e in cur for t in e.get("turns", []))
         out.append(GroupCost(str(cur[0].get("lease_id", "")), int(cur[0].get("data_idx", -1)), bool(cur[0].get("accepted", False)),
-                             eps, toks, tuple(int(e.get("num_turns", len(e.get("turns", [])))) for e in cur)))
+                             eps, toks, tuple(int(e.get("num_turns", len(e.get("turns", [])))) for e in cur),
+                             float(cur[0].get("lease_s", -1.0))))
         cur.clear()
 
     for rec in episodes:

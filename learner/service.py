@@ -383,9 +383,12 @@ class LearnerService:
     def _group(self, group: TrajectoryGroup, now: float) -> Any:
         if group.actor_id in self.actors:
             self.actors[group.actor_id].last_seen = now
+        live = self.leases.live.get(group.lease_id)
+        lease_s = now - live.issued_at if live is not None else -1.0
         r = self.leases.intake(group, now)
         record_group(self.metrics, group, r.accepted, r.reason, r.staleness)
-        self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason)
+        self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason,
+                                       lease_s=lease_s)
         if r.accepted:
             self.buffer.append(group)
             if len(self.buffer) >= self.cfg.learner.groups_per_step:

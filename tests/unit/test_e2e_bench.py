@@ -31,6 +31,12 @@ def test_group_cost_is_the_slowest_episode_of_the_group():
     assert g2.lease_id == "l2" and not g2.accepted and g2.duration_s == pytest.approx(0.1)
 
 
+def test_group_cost_is_the_lease_wall_time_when_the_learner_logged_it():
+    recs = [{**_episode("l1", 0, [(0.1, 0.2, 5)]), "lease_s": 0.9}, {**_episode("l1", 1, [(0.5, 0.5, 7)]), "lease_s": 0.9}]
+    (g,) = group_costs(recs)
+    assert g.lease_s == 0.9 and g.duration_s == 0.9 and g.episode_s == pytest.approx((0.3, 1.0))
+
+
 def _metrics(times: list[float], gps: int = 2) -> list[dict]:
     out = []
     for i, t in enumerate(times, start=1):
@@ -113,3 +119,19 @@ def test_learner_logs_the_sum_of_actor_counters():
     record_actor_stats(m, [{"engine_busy_s": 1.5, "weight_pulls": 2.0}, {"engine_busy_s": 0.5, "bad": float("nan")}])
     out = m.reduce()
     assert out == {"actors/count": 2.0, "actors/engine_busy_s": 2.0, "actors/weight_pulls": 2.0}
+
+
+def test_trajectory_log_carries_the_lease_wall_time(tmp_path: Path):
+    from learner.trajlog import TrajectoryLog
+    from protocol.messages import Lease
+    from tests.unit.fakes import make_group, task
+
+    lease = Lease(lease_id="l-1", task=task(3), group_size=2, turn_limit=10, policy_version=0, ttl_s=60.0, seed=1)
+    log = TrajectoryLog(str(tmp_path))
+    log.write_group(make_group(lease), step=0, version=0, accepted=True, lease_s=1.25)
+    log.write_group(make_group(lease), step=0, version=0, accepted=False, drop_reason="duplicate")
+    log.close()
+    recs = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert [r["lease_s"] for r in recs] == [1.25, 1.25, -1.0, -1.0]
+    g1, g2 = group_costs(recs)
+    assert g1.duration_s == 1.25 and g1.accepted and not g2.accepted
