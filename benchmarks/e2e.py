@@ -36,10 +36,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from benchmarks.common import Result, result
-from benchmarks.e2e_stats import RunStats, load_run
+from benchmarks.e2e_stats import RunStats, load_run, read_jsonl
 from benchmarks.makespan import ideal_speedup, lockstep_makespan, work_conserving_makespan
 
 
@@ -106,9 +106,10 @@ BENCH_MODEL = ("model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.ti
 """The benchmark's tiny model (0.3M parameters): training stays cheap next to rollouts."""
 
 
-def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], learner_dir: Path) -> list[str]:
+def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], learner_dir: Path, model_path: str = "") -> list[str]:
+    model = [f"model.path={model_path}"] if model_path else list(BENCH_MODEL)
     return [
-        "learner", "env=babyai", *BENCH_MODEL, f"env.port={env_port}", f"engine={spec.engine}", "algo=grpo",
+        "learner", "env=babyai", *model, f"env.port={env_port}", f"engine={spec.engine}", "algo=grpo",
         f"algo.group_size={spec.group_size}", "algo.lr=1e-4",
         f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
         f"learner.max_staleness={spec.max_staleness}", f"learner.groups_per_step={spec.groups_per_step}",
@@ -129,30 +130,124 @@ def actor_args(spec: RunSpec, learner_port: int, index: int) -> list[str]:
     ]
 
 
-def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float) -> RunStats:
-    """Start envhub, learner and actors for ``spec``; wait for the learner to finish its
-    steps (bounded by ``timeout_s``); end every child by pid; read the learner's files."""
-    from turnscale.procs import ChildFailed, ProcessGroup, wait_http_ok
+def prepare_model() -> str:
+    """Build (once, cached) the benchmark's tiny model as the learner would, and return its
+    folder, so every learner of the suite loads it instead of rebuilding the corpus."""
+    import conf
+    from learner.main import resolve_model_path
 
-    run_dir = root / spec.name
-    learner_dir = run_dir / "learner"
-    env_port, ports = free_port(), (free_port(), free_port(), free_port())
+    return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]))
+
+
+class Cluster:
+    """One envhub server and one learner for ``spec``; actors are added with ``add_actors``.
+    Every child is started here and ended by pid on exit (actors, learner, envhub)."""
+
+    def __init__(self, spec: RunSpec, workload: Workload, run_dir: Path, model_path: str = "") -> None:
+        from turnscale.procs import ProcessGroup
+
+        self.spec, self.workload, self.run_dir, self.model_path = spec, workload, run_dir, model_path
+        self.learner_dir = run_dir / "learner"
+        self.env_port, self.ports = free_port(), (free_port(), free_port(), free_port())
+        self.pg = ProcessGroup(run_dir / "logs")
+        self.actors: list[Any] = []
+
+    def __enter__(self) -> "Cluster":
+        from turnscale.procs import wait_http_ok
+
+        try:
+            self.env = self.pg.start("envhub", envhub_args(self.workload, self.env_port))
+            self.learner = self.pg.start("learner", learner_args(self.spec, self.env_port, self.ports, self.learner_dir, self.model_path))
+            wait_http_ok(f"http://127.0.0.1:{self.env_port}/health", timeout_s=60.0, child=self.env)
+        except BaseException:
+            self.pg.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.pg.close()
+
+    def add_actors(self, n: int) -> None:
+        """Start actors until ``n`` run."""
+        while len(self.actors) < n:
+            i = len(self.actors)
+            self.actors.append(self.pg.start(f"actor{i}", actor_args(self.spec, self.ports[0], i)))
+
+    def check(self, deadline: float, what: str) -> None:
+        """Raise ``ChildFailed`` past ``deadline`` or when a child died with an error."""
+        from turnscale.procs import ChildFailed
+
+        if time.monotonic() > deadline:
+            raise ChildFailed(f"{self.spec.name}: timed out waiting for {what}:\n{self.learner.tail()}")
+        for c in [self.env, *self.actors]:
+            if not c.alive() and c.popen.returncode != 0:
+                raise ChildFailed(f"{self.spec.name}: {c.name} exited with {c.popen.returncode}:\n{c.tail()}")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.learner_dir / "metrics.jsonl")
+
+
+def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float, model_path: str = "") -> RunStats:
+    """Start envhub, learner and ``spec.actors`` actors; wait for the learner to finish its
+    steps (bounded by ``timeout_s``); end every child by pid; read the learner's files."""
+    from turnscale.procs import ChildFailed
+
     deadline = time.monotonic() + timeout_s
-    with ProcessGroup(run_dir / "logs") as pg:
-        env = pg.start("envhub", envhub_args(workload, env_port))
-        learner = pg.start("learner", learner_args(spec, env_port, ports, learner_dir))
-        wait_http_ok(f"http://127.0.0.1:{env_port}/health", timeout_s=min(60.0, timeout_s), child=env)
-        actors = [pg.start(f"actor{i}", actor_args(spec, ports[0], i)) for i in range(spec.actors)]
-        while learner.alive():
-            if time.monotonic() > deadline:
-                raise ChildFailed(f"{spec.name}: learner did not finish {spec.steps} steps in {timeout_s:.0f}s:\n{learner.tail()}")
-            for c in [env, *actors]:
-                if not c.alive() and c.popen.returncode != 0:
-                    raise ChildFailed(f"{spec.name}: {c.name} exited with {c.popen.returncode}:\n{c.tail()}")
+    with Cluster(spec, workload, root / spec.name, model_path) as c:
+        c.add_actors(spec.actors)
+        while c.learner.alive():
+            c.check(deadline, f"{spec.steps} learner steps")
             time.sleep(0.25)
-        if learner.popen.returncode != 0:
-            raise ChildFailed(f"{spec.name}: learner exited with {learner.popen.returncode}:\n{learner.tail()}")
-    return load_run(learner_dir, spec.groups_per_step, spec.warmup)
+        if c.learner.popen.returncode != 0:
+            raise ChildFailed(f"{spec.name}: learner exited with {c.learner.popen.returncode}:\n{c.learner.tail()}")
+    return load_run(c.learner_dir, spec.groups_per_step, spec.warmup)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One actor count of the scaling run."""
+
+    actors: int
+    steps: int
+    window_s: float
+    groups_per_s: float
+    learner_busy: float
+
+
+def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_step: int, warmup: int) -> Phase | None:
+    """Rates over the steps logged while exactly ``actors`` actors were registered, after
+    ``warmup`` such steps (the window starts at the end of the last warm-up step); None
+    until at least one step is measured."""
+    mine = [r for r in records if r.get("actors/count") == actors and "time" in r]
+    if len(mine) < warmup + 1 or warmup < 1:
+        return None
+    start, inside = mine[warmup - 1], mine[warmup:]
+    window = float(inside[-1]["time"]) - float(start["time"])
+    if window <= 0:
+        return None
+    busy = sum(float(r.get("perf/step_time_s", 0.0)) for r in inside)
+    return Phase(actors, len(inside), window, groups_per_step * len(inside) / window, busy / window)
+
+
+def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: Path, steps_per_phase: int,
+                timeout_s: float, model_path: str = "") -> list[Phase]:
+    """One learner; actors join in phases (``counts``, ascending).  Each phase lasts until
+    ``steps_per_phase`` steps were logged with that many actors registered after one
+    warm-up step (new actors start up during it).  Actors may join at any time, so this
+    measures the same thing as separate runs without paying the start-up per count."""
+    phases: list[Phase] = []
+    deadline = time.monotonic() + timeout_s
+    with Cluster(spec, workload, root / spec.name, model_path) as c:
+        for n in counts:
+            c.add_actors(n)
+            while True:
+                c.check(deadline, f"{steps_per_phase} steps with {n} actors")
+                ph = phase_figures(c.metrics(), n, spec.groups_per_step, warmup=1)
+                if ph is not None and ph.steps >= steps_per_phase:
+                    phases.append(ph)
+                    break
+                time.sleep(0.5)
+    return phases
 
 
 @dataclass
@@ -215,16 +310,16 @@ def add_arguments(parser) -> None:
     a("--e2e-max-groups", type=int, default=2, help="leases per actor (slots = actors x this)")
     a("--e2e-group-size", type=int, default=2, help="episodes per group (GRPO n)")
     a("--e2e-groups-per-step", type=int, default=0, help="0: one group per slot (actors x max-groups)")
-    a("--e2e-steps", type=int, default=8, help="optimizer steps per sim run (the first is warm-up)")
-    a("--e2e-hf-steps", type=int, default=4)
+    a("--e2e-steps", type=int, default=6, help="optimizer steps per sim run (the first is warm-up)")
+    a("--e2e-hf-steps", type=int, default=3)
     a("--e2e-hf-turn-limit", type=int, default=4)
     a("--e2e-hf-max-new-tokens", type=int, default=16)
     a("--e2e-turn-limit", type=int, default=12)
     a("--e2e-max-new-tokens", type=int, default=48)
     a("--e2e-staleness", type=int, default=2, help="max_staleness of the async runs")
     a("--e2e-scaling", default="1,2,4,8", help="actor counts for the scaling runs")
-    a("--e2e-scaling-steps", type=int, default=8, help="steps at the largest actor count (fewer with fewer actors)")
-    a("--e2e-scaling-groups-per-step", type=int, default=4, help="batch of the scaling runs (x (1 + staleness) >= top count)")
+    a("--e2e-scaling-steps", type=int, default=3, help="measured steps per scaling phase (after one warm-up step)")
+    a("--e2e-scaling-groups-per-step", type=int, default=2, help="batch of the scaling run")
     a("--e2e-latency-median", type=float, default=Workload.median_s, help="median env step latency, s")
     a("--e2e-latency-sigma", type=float, default=Workload.sigma)
     a("--e2e-task-sigma", type=float, default=Workload.task_sigma, help="spread of the per-task latency factor")
@@ -249,19 +344,22 @@ def run(args) -> list[Result]:
                    groups_per_step=args.e2e_groups_per_step or args.e2e_actors * args.e2e_max_groups,
                    steps=args.e2e_steps, turn_limit=args.e2e_turn_limit, max_new_tokens=args.e2e_max_new_tokens,
                    decode_s_per_step=args.e2e_decode_s, seed=args.e2e_seed)
+    t0 = time.monotonic()
+    model_path = prepare_model()
+    print(f"   e2e model {model_path} ({time.monotonic() - t0:.0f}s)", flush=True)
     outcomes: list[Outcome] = []
     results: list[Result] = []
 
     def go(spec: RunSpec) -> Outcome:
         t0 = time.monotonic()
-        print(f"   e2e run {spec.name}: {spec.engine}, {spec.actors} actors, max_staleness={spec.max_staleness}, {spec.steps} steps", flush=True)
-        o = Outcome(spec, run_one(spec, workload, root, args.e2e_run_timeout))
+        print(f"   e2e run {spec.name}: {spec.engine}, {spec.actors} actors x {spec.max_groups} leases, "
+              f"max_staleness={spec.max_staleness}, {spec.steps} steps", flush=True)
+        o = Outcome(spec, run_one(spec, workload, root, args.e2e_run_timeout, model_path))
         print(f"   -> {o.stats.groups_per_s:.3g} groups/s, {o.stats.tokens_per_s:.4g} tok/s, learner busy {o.stats.learner_busy:.2f}"
               f" ({time.monotonic() - t0:.0f}s)", flush=True)
         outcomes.append(o)
         return o
 
-    async_sim = None
     if "sim" in parts:
         async_sim = go(replace(base, name="sim_async", max_staleness=args.e2e_staleness))
         sync_sim = go(replace(base, name="sim_sync", max_staleness=0))
@@ -271,39 +369,50 @@ def run(args) -> list[Result]:
         a = go(replace(hf, name="hf_async", max_staleness=args.e2e_staleness))
         s = go(replace(hf, name="hf_sync", max_staleness=0))
         results += compare("hf", a, s, target=None, efficiency_target=None)
+    phases: list[Phase] = []
     if "scaling" in parts:
-        results += scaling(args, base, async_sim, go)
+        phases = scaling_phases(args, base, workload, root, model_path)
+        results += scaling_results(phases)
     for o in outcomes:
         results += per_run(o)
-    details = {"workload": asdict(workload), "runs": [_details(o) for o in outcomes]}
+    details: dict[str, Any] = {"workload": asdict(workload), "model_path": model_path, "runs": [_details(o) for o in outcomes],
+                               "scaling": [asdict(p) for p in phases]}
     for tag in ("sim", "hf"):
         s = next((o for o in outcomes if o.spec.name == f"{tag}_sync"), None)
         if s is not None:
             sp, ls, ws = ideal(s)
             details[f"ideal_{tag}"] = {"speedup": sp, "lockstep_makespan_s": ls, "work_conserving_makespan_s": ws}
     (root / "e2e_runs.json").write_text(json.dumps(details, indent=1))
-    print(f"   details: {root / 'e2e_runs.json'}", file=sys.stderr, flush=True)
+    print(f"   details: {root / 'e2e_runs.json'}", flush=True)
     return results
 
 
-def scaling(args, base: RunSpec, reuse: Outcome | None, go) -> list[Result]:
-    """Groups/s with n actors (one lease each, async, fixed batch) against 1 actor."""
+def scaling_phases(args, base: RunSpec, workload: Workload, root: Path, model_path: str) -> list[Phase]:
+    """Actors (one lease each, async) join one learner in phases of 1, 2, 4, 8 (``--e2e-scaling``).
+    ``max_staleness`` is raised where needed so that admission lets every actor work
+    (``(max_staleness + 1) * groups_per_step >= actors``)."""
     counts = sorted({int(c) for c in args.e2e_scaling.split(",") if c.strip()})
     if not counts:
         return []
-    top = max(counts)
-    per_n: dict[int, Outcome] = {}
-    for n in counts:
-        spec = replace(base, name=f"scale_{n}", actors=n, max_groups=1, max_staleness=args.e2e_staleness,
-                       groups_per_step=args.e2e_scaling_groups_per_step,
-                       steps=max(3, math.ceil(args.e2e_scaling_steps * n / top)))
-        if reuse is not None and replace(reuse.spec, name=spec.name, steps=spec.steps) == spec:
-            per_n[n] = reuse  # the async comparison run is this scaling point
-            continue
-        per_n[n] = go(spec)
-    one = per_n[counts[0]]
-    out = [result(f"scaling_sim_{n}actors", o.stats.groups_per_s, "groups/s", f"{counts[0]} actor(s)", one.stats.groups_per_s)
-           for n, o in per_n.items()]
-    busy = per_n[top].stats.learner_busy
-    out.append(result(f"learner_busy_{top}actors", busy, "fraction", "always busy (1.0)", 1.0, target=2.0, lower_is_better=True))
+    gps = args.e2e_scaling_groups_per_step
+    spec = replace(base, name="scaling", actors=max(counts), max_groups=1, groups_per_step=gps, steps=100_000,
+                   max_staleness=max(args.e2e_staleness, math.ceil(max(counts) / gps) - 1))
+    t0 = time.monotonic()
+    print(f"   e2e run scaling: actors join in phases {counts}, {gps} groups/step, max_staleness={spec.max_staleness}", flush=True)
+    phases = run_scaling(spec, counts, workload, root, args.e2e_scaling_steps, args.e2e_run_timeout * 2, model_path)
+    for ph in phases:
+        print(f"   -> {ph.actors} actors: {ph.groups_per_s:.3g} groups/s, learner busy {ph.learner_busy:.2f} over {ph.steps} steps", flush=True)
+    print(f"   scaling took {time.monotonic() - t0:.0f}s", flush=True)
+    return phases
+
+
+def scaling_results(phases: Sequence[Phase]) -> list[Result]:
+    """Groups/s with n actors against the first phase; learner busy fraction at the last."""
+    if not phases:
+        return []
+    one, top = phases[0], phases[-1]
+    out = [result(f"scaling_sim_{p.actors}actors", p.groups_per_s, "groups/s", f"{one.actors} actor(s)", one.groups_per_s)
+           for p in phases]
+    out.append(result(f"learner_busy_{top.actors}actors", top.learner_busy, "fraction", "always busy (1.0)", 1.0,
+                      target=2.0, lower_is_better=True))
     return out

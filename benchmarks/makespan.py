@@ -15,8 +15,10 @@ each training step costs ``train_s`` seconds on the learner.
   while every slot idles.
 * Work-conserving (perfect asynchrony): all groups, in order, go to the earliest-free
   slot with no barrier; training overlaps with rollouts, so the makespan is the later of
-  the rollout makespan and the training time (``steps * train_s``), plus the last
-  step's training, which can only start after its groups are in.
+  the rollout makespan and the training time (``steps * train_s``: the learner is the
+  bottleneck when that is larger).  Steady state: the last step's training, which can
+  only start after its groups are in, is not counted, as the benchmark's rates run from
+  the end of one step to the end of another.
 
 Both use the same greedy rule, so the ratio isolates the cost of the barrier.
 """
@@ -55,19 +57,18 @@ def lockstep_makespan(durations: Sequence[float], slots: int, groups_per_step: i
 
 
 def work_conserving_makespan(durations: Sequence[float], slots: int, groups_per_step: int, train_s: float = 0.0) -> float:
-    """No barrier: groups flow onto free slots; training overlaps rollouts except for the
-    last step's, which waits for its groups."""
+    """No barrier: groups flow onto free slots; training overlaps rollouts (steady state,
+    see the module docstring)."""
     if groups_per_step < 1:
         raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
     steps = math.ceil(len(durations) / groups_per_step)
-    rollout = list_schedule_makespan(durations, slots)
-    return max(rollout, steps * train_s) + (train_s if steps else 0.0)
+    return max(list_schedule_makespan(durations, slots), steps * train_s)
 
 
 def ideal_speedup(durations: Sequence[float], slots: int, groups_per_step: int, train_s: float = 0.0) -> float:
     """Lock-step makespan over work-conserving makespan; 1.0 for an empty workload.
-    Without training time it is >= 1: greedy list scheduling is monotone in the slots'
-    free times, and the barrier only delays them."""
+    Always >= 1: greedy list scheduling is monotone in the slots' free times and the
+    barrier only delays them, and lock-step also pays every step's training."""
     ws = work_conserving_makespan(durations, slots, groups_per_step, train_s)
     if ws <= 0:
         return 1.0

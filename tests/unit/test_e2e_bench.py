@@ -135,3 +135,18 @@ def test_trajectory_log_carries_the_lease_wall_time(tmp_path: Path):
     assert [r["lease_s"] for r in recs] == [1.25, 1.25, -1.0, -1.0]
     g1, g2 = group_costs(recs)
     assert g1.duration_s == 1.25 and g1.accepted and not g2.accepted
+
+
+def test_scaling_phase_rates_use_only_steps_with_that_many_actors():
+    recs = [{"step": i + 1, "time": t, "actors/count": n, "perf/step_time_s": 0.2}
+            for i, (t, n) in enumerate([(0, 1), (6, 1), (12, 1), (18, 1), (20, 2), (23, 2), (26, 2)])]
+    one = e2e.phase_figures(recs, 1, groups_per_step=2, warmup=1)
+    assert one.steps == 3 and one.window_s == 18 and one.groups_per_s == pytest.approx(6 / 18)
+    assert one.learner_busy == pytest.approx(0.6 / 18)
+    two = e2e.phase_figures(recs, 2, groups_per_step=2, warmup=1)
+    assert two.steps == 2 and two.groups_per_s == pytest.approx(4 / 6)
+    assert e2e.phase_figures(recs, 4, groups_per_step=2, warmup=1) is None
+    assert e2e.phase_figures(recs[:5], 2, groups_per_step=2, warmup=1) is None  # only the warm-up step so far
+    (a, b, busy) = e2e.scaling_results([one, two])
+    assert (a.name, a.ratio) == ("scaling_sim_1actors", 1.0) and b.ratio == pytest.approx(2.0)
+    assert busy.name == "learner_busy_2actors" and busy.target == 2.0 and busy.ok

@@ -38,7 +38,9 @@ def test_training_time_overlaps_only_when_asynchronous():
     d = [1.0] * 8
     # 4 steps of 2 groups on 2 slots: rollouts 4 s; training 4 x 2 s dominates async.
     assert lockstep_makespan(d, 2, 2, train_s=2) == 4 * (1 + 2)
-    assert work_conserving_makespan(d, 2, 2, train_s=2) == max(4, 8) + 2
+    assert work_conserving_makespan(d, 2, 2, train_s=2) == max(4, 8)  # the learner is the bottleneck
+    assert work_conserving_makespan(d, 2, 2, train_s=0.5) == 4  # training hidden under rollouts
+    assert ideal_speedup(d, 2, 2, train_s=0.5) == pytest.approx(4 * 1.5 / 4)
 
 
 def test_uniform_durations_give_no_speedup():
@@ -68,10 +70,11 @@ def test_bad_arguments_are_rejected():
     st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), max_size=40),
     st.integers(1, 8),
     st.integers(1, 8),
+    st.floats(min_value=0, max_value=10),
 )
-def test_barrier_never_helps(durations, slots, per_step):
-    ls = lockstep_makespan(durations, slots, per_step)
-    ws = work_conserving_makespan(durations, slots, per_step)
+def test_barrier_never_helps(durations, slots, per_step, train_s):
+    ls = lockstep_makespan(durations, slots, per_step, train_s)
+    ws = work_conserving_makespan(durations, slots, per_step, train_s)
     assert ws <= ls + 1e-9
     # the work-conserving schedule is never worse than the trivial lower bounds allow
     if durations:
