@@ -216,14 +216,21 @@ class Phase:
     learner_busy: float
 
 
-def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_step: int, warmup: int) -> Phase | None:
-    """Rates over the steps logged while exactly ``actors`` actors were registered, after
-    ``warmup`` such steps (the window starts at the end of the last warm-up step); None
-    until at least one step is measured."""
+def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_step: int, warmup: int,
+                  settle_s: float = 0.0) -> Phase | None:
+    """Rates over the steps logged while exactly ``actors`` actors were registered.  The
+    window starts at the end of the ``warmup``-th such step, or later: at the first one at
+    least ``settle_s`` after the phase's first step (joining actors load their engine for a
+    few seconds after registering and take CPU from the rest).  None until one step is
+    measured."""
     mine = [r for r in records if r.get("actors/count") == actors and "time" in r]
-    if len(mine) < warmup + 1 or warmup < 1:
+    if warmup < 1 or len(mine) < warmup + 1:
         return None
-    start, inside = mine[warmup - 1], mine[warmup:]
+    t_first = float(mine[0]["time"])
+    i0 = next((i for i in range(warmup - 1, len(mine)) if float(mine[i]["time"]) - t_first >= settle_s), None)
+    if i0 is None or i0 + 1 >= len(mine):
+        return None
+    start, inside = mine[i0], mine[i0 + 1:]
     window = float(inside[-1]["time"]) - float(start["time"])
     if window <= 0:
         return None
@@ -232,10 +239,10 @@ def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_
 
 
 def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: Path, steps_per_phase: int,
-                timeout_s: float, model_path: str = "") -> list[Phase]:
+                timeout_s: float, model_path: str = "", settle_s: float = 5.0) -> list[Phase]:
     """One learner; actors join in phases (``counts``, ascending).  Each phase lasts until
     ``steps_per_phase`` steps were logged with that many actors registered after one
-    warm-up step (new actors start up during it).  Actors may join at any time, so this
+    warm-up step and ``settle_s`` seconds (new actors start up meanwhile).  Actors may join at any time, so this
     measures the same thing as separate runs without paying the start-up per count."""
     phases: list[Phase] = []
     deadline = time.monotonic() + timeout_s
@@ -244,7 +251,7 @@ def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: 
             c.add_actors(n)
             while True:
                 c.check(deadline, f"{steps_per_phase} steps with {n} actors")
-                ph = phase_figures(c.metrics(), n, spec.groups_per_step, warmup=1)
+                ph = phase_figures(c.metrics(), n, spec.groups_per_step, warmup=1, settle_s=settle_s)
                 if ph is not None and ph.steps >= steps_per_phase:
                     phases.append(ph)
                     break
@@ -318,7 +325,7 @@ def add_arguments(parser) -> None:
     a("--e2e-group-size", type=int, default=2, help="episodes per group (GRPO n)")
     a("--e2e-groups-per-step", type=int, default=0, help="0: one group per slot (actors x max-groups)")
     a("--e2e-steps", type=int, default=6, help="optimizer steps per sim run (the first is warm-up)")
-    a("--e2e-hf-steps", type=int, default=3)
+    a("--e2e-hf-steps", type=int, default=5)
     a("--e2e-hf-actors", type=int, default=2, help="actors in the hf comparison (each loads torch and the model)")
     a("--e2e-hf-turn-limit", type=int, default=4)
     a("--e2e-hf-max-new-tokens", type=int, default=16)

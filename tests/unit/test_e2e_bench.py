@@ -147,6 +147,11 @@ def test_scaling_phase_rates_use_only_steps_with_that_many_actors():
     assert two.steps == 2 and two.groups_per_s == pytest.approx(4 / 6)
     assert e2e.phase_figures(recs, 4, groups_per_step=2, warmup=1) is None
     assert e2e.phase_figures(recs[:5], 2, groups_per_step=2, warmup=1) is None  # only the warm-up step so far
+    # settling: the window starts at the first step >= 5 s after the phase began (t=26)
+    settled = e2e.phase_figures(recs, 2, groups_per_step=2, warmup=1, settle_s=5.0)
+    assert settled is None
+    settled = e2e.phase_figures(recs + [{"step": 8, "time": 30, "actors/count": 2}], 2, groups_per_step=2, warmup=1, settle_s=5.0)
+    assert settled.steps == 1 and settled.window_s == 4
     (a, b, busy) = e2e.scaling_results([one, two])
     assert (a.name, a.ratio) == ("scaling_sim_1actors", 1.0) and b.ratio == pytest.approx(2.0)
     assert busy.name == "learner_busy_2actors" and busy.target == 2.0 and busy.ok
