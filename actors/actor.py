@@ -52,7 +52,7 @@ import zmq
 
 from actors.envpool import EnvClientLike, EnvPool, PooledSession
 from conf.schema import ActorConfig
-from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError
+from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError, TurnscaleError
 from protocol.messages import (
     ErrorReply,
     Goodbye,
@@ -235,7 +235,7 @@ class Actor:
             try:
                 with trio.fail_after(max(30.0, self.cfg.request_timeout_s)):
                     await self._pull(weights, welcome.policy)  # current weights before the first lease
-            except (trio.TooSlowError, TransportError, ProtocolError, RemoteError) as exc:
+            except (trio.TooSlowError, TurnscaleError) as exc:
                 raise LearnerLost(f"initial weight pull failed: {exc}") from None
             async with trio.open_nursery() as n:
                 n.start_soon(self._announcements, sub, name="announcements")
@@ -282,8 +282,13 @@ class Actor:
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
+        timeout = self.cfg.request_timeout_s
         try:
-            reply = await req.request(msg, timeout_s=self.cfg.request_timeout_s)
+            # the deadline covers the send too: a DEALER whose peer is gone blocks on send
+            with trio.move_on_after(timeout + 0.5) as scope:
+                reply = await req.request(msg, timeout_s=timeout)
+            if scope.cancelled_caught:
+                raise PeerTimeout(f"no reply to {type(msg).__name__} within {timeout:.1f}s")
         except (PeerTimeout, TransportError) as exc:
             raise LearnerLost(str(exc)) from None
         except RemoteError as exc:
@@ -426,7 +431,7 @@ class Actor:
             if t is not None and t.manifest is not None and t.version > self.pulled_version:
                 try:
                     await self._pull(sock, t)
-                except (TransportError, ProtocolError, RemoteError) as exc:
+                except TurnscaleError as exc:  # transport, checksum, protocol, engine errors
                     log.warning("weight pull of version %d failed (%s); retrying", t.version, exc)
                     await trio.sleep(0.5)
                 continue

@@ -69,6 +69,10 @@ def build_actor(cfg: Config) -> Any:
 
 
 def setup_process() -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> dumps every thread's stack
     logging.basicConfig(level=os.environ.get("TURNSCALE_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if os.environ.get("OMP_NUM_THREADS"):

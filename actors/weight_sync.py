@@ -23,6 +23,7 @@ Contract:
   into its parameters before the next pull; pass ``copy=True`` to get owned tensors.
 - The buffer (``ReceiveBuffer``; one module-wide default) is allocated once and reused
   across versions: first-touching a fresh buffer every time is ~3x slower (FACTS.md).
+  One pull at a time per buffer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 import trio
 import zmq
 
-from protocol import codec
+from protocol import checksums, codec
 from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.transport import AsyncSocket
@@ -72,11 +73,10 @@ DEFAULT_BUFFER = ReceiveBuffer()
 
 
 def _checksum(algo: str, data: Any) -> int:
-    if algo != "crc32":
-        raise WeightSyncError(f"checksum {algo!r} is not supported by this actor (crc32 only); upgrade the actor")
-    import zlib
-
-    return zlib.crc32(data) & 0xFFFFFFFF
+    try:
+        return checksums.checksum(algo, data)
+    except ValueError as exc:
+        raise WeightSyncError(f"cannot verify weights: {exc}") from None
 
 
 class _Pull:
@@ -179,7 +179,7 @@ class _Pull:
                 msg = codec.decode(frames, expect=WeightChunk)
                 if msg.version != version or msg.index != i or msg.checksum != c.checksum:
                     problem = "reply header does not match the manifest"
-                elif _checksum(self.m.checksum_algo, memoryview(view)) != c.checksum:
+                elif _checksum(self.m.checksum_algo, view) != c.checksum:
                     problem = "checksum mismatch"
             except ProtocolError as exc:
                 problem = f"bad reply ({exc})"

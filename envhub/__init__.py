@@ -1,1 +1,10 @@
-"""Environment servers over HTTP, wire-compatible with AgentGym's, with its defects fixed."""
+"""Environment servers over HTTP, wire-compatible with AgentGym's, with its defects fixed.
+
+- ``base``: the ``Env`` / ``EnvFamily`` interface every env implements.
+- ``server`` (+ ``instances``): ``create_app(family, cfg)``, the HTTP server of one family.
+- ``main``: ``turnscale envhub env=<name> host=... port=...`` / ``python -m envhub``.
+- ``launch``: start a server child process and wait for ``/health`` (tests, benchmarks, run).
+- ``client`` (+ ``http11``): ``EnvClient``, the async (trio) client the actors use.
+- ``registry``: env name -> family factory; one module per family (``babyai``, ...).
+- ``babyai_oracle``: the BabyAI expert (high-level actions) for tests and warm starts.
+"""

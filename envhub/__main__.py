@@ -1,3 +1,7 @@
-from envhub.main import main
+"""``python -m envhub env=<name> host=... port=...``: the same as ``turnscale envhub``."""
 
-raise SystemExit(main())
+import sys
+
+from turnscale.cli import main
+
+raise SystemExit(main(["envhub", *sys.argv[1:]]))

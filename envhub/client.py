@@ -1,5 +1,5 @@
-"""The async env client the actors use (trio): HTTP/1.1 over trio streams with ``h11`` and a
-bounded keep-alive connection pool per client.
+"""The async env client the actors use (trio): HTTP/1.1 over trio streams (``envhub.http11``,
+a small pure codec) and a bounded keep-alive connection pool per client.
 
 Retry rule: only connection errors are retried (capped exponential backoff with jitter), and
 only when the request cannot have been applied: a failure to connect, or a pooled connection
@@ -8,6 +8,9 @@ has been written, a dropped connection raises ``EnvConnectionLost`` and is never
 idempotent ones (``reset``, ``observation``, ``close``, ``health``) are re-sent.  A timeout
 raises ``EnvTimeout`` and is not retried.  HTTP errors raise ``EnvHTTPError`` (404:
 ``EnvNotFound``), also for AgentGym's HTTP-200 ``{"error": "..."}`` bodies.
+
+``expert_action(env_id)`` asks an envhub server for the env's expert move (``GET /expert``;
+BabyAI's oracle), for warm starts.
 
 Flavors (what the server speaks):
 - ``turnscale``: our envhub servers.
@@ -30,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
+from envhub.http11 import HTTPProtocolError, ResponseParser, build_request
 from protocol.errors import TurnscaleError
 
 FLAVORS = ("turnscale", "agentgym", "agentgym_searchqa", "agentgym_webarena")
@@ -95,7 +98,6 @@ class _NotSent(Exception):
 class _Conn:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 20)
         self.idle_since = time.monotonic()
 
     def looks_alive(self) -> bool:
@@ -178,6 +180,13 @@ class EnvClient:
         if not isinstance(raw, str):
             raise EnvHTTPError(200, "bad_reply", f"/observation answered {str(raw)[:200]!r}")
         return raw
+
+    async def expert_action(self, env_id: int) -> str:
+        """The env's expert next action (envhub servers whose env has one; else EnvHTTPError 501)."""
+        raw = await self._call("GET", f"/expert?id={int(env_id)}", None, idempotent=False)
+        if not isinstance(raw, dict) or not isinstance(raw.get("action"), str):
+            raise EnvHTTPError(200, "bad_reply", f"/expert answered {str(raw)[:200]!r}")
+        return raw["action"]
 
     async def close(self, env_id: int) -> None:
         key = "env_idx" if self.flavor in ("agentgym_searchqa", "agentgym_webarena") else "id"
@@ -280,48 +289,24 @@ class EnvClient:
         return _Conn(stream)
 
     async def _exchange(self, conn: _Conn, method: str, path: str, payload: bytes, idempotent: bool) -> tuple[int, bytes, bool]:
-        headers = [("Host", f"{self.host}:{self.port}"), ("Accept", "application/json")]
-        if method == "POST":
-            headers += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
-        h = conn.h11
-        out = h.send(h11.Request(method=method, target=path, headers=headers))
-        if method == "POST":
-            out += h.send(h11.Data(data=payload)) + h.send(h11.EndOfMessage())
-        else:
-            out += h.send(h11.EndOfMessage())
+        request = build_request(method, path, f"{self.host}:{self.port}", payload if method == "POST" else None)
+        parser = ResponseParser(max_body=MAX_RESPONSE_BYTES)
         sent = False
         try:
-            await conn.stream.send_all(out)
+            await conn.stream.send_all(request)
             sent = True
-            status, chunks, size = 0, [], 0
-            while True:
-                event = h.next_event()
-                if event is h11.NEED_DATA:
-                    data = await conn.stream.receive_some(65536)
-                    h.receive_data(data)
-                    continue
-                if isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > MAX_RESPONSE_BYTES:
-                        raise EnvHTTPError(status, "reply_too_large", f"{path}: reply over {MAX_RESPONSE_BYTES} bytes")
-                    chunks.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    break
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise trio.BrokenResourceError("server closed the connection mid-reply")
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.RemoteProtocolError) as exc:
+            while parser.result is None:
+                data = await conn.stream.receive_some(65536)
+                if data:
+                    parser.feed(data)
+                else:
+                    parser.feed_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, HTTPProtocolError) as exc:
             if not sent or idempotent:
                 raise _NotSent(f"{type(exc).__name__}: {exc}") from None
             raise EnvConnectionLost(f"{method} {path} on {self.base_url}: connection lost after the request was sent ({exc}); it may have been applied, so it is not re-sent") from None
-        reusable = h.our_state is h11.DONE and h.their_state is h11.DONE
-        if reusable:
-            try:
-                h.start_next_cycle()
-            except h11.LocalProtocolError:
-                reusable = False
-        return status, b"".join(chunks), reusable
+        reply = parser.result
+        return reply.status, reply.body, reply.keep_alive and not parser.leftover
 
 
 def _decode(status: int, data: bytes, path: str) -> Any:

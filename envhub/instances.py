@@ -85,6 +85,8 @@ class InstanceTable:
         self.gone: collections.OrderedDict[int, str] = collections.OrderedDict()
         """Recently closed/expired ids -> ``closed`` | ``expired`` (bounded)."""
         self.next_id = 0
+        self.pending_creates = 0
+        """Creations awaiting ``family.create`` (they count against the limit)."""
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
@@ -143,23 +145,26 @@ class InstanceTable:
             inst.users -= 1
 
     def _check_state(self, inst: Instance, kind: str) -> None:
-        if kind in ("step", "observation") and inst.state == "new":
+        if kind in ("step", "observation", "expert") and inst.state == "new":
             raise ApiError(409, "not_reset", f"env instance {inst.id} has no episode yet; call POST /reset first")
-        if kind == "step" and inst.state == "done":
+        if kind in ("step", "expert") and inst.state == "done":
             raise ApiError(409, "episode_done", f"the episode of env instance {inst.id} has ended; call POST /reset to start a new one")
 
     # -- operations ------------------------------------------------------------------
     async def create(self) -> int:
-        if len(self.instances) >= self.max_instances:
+        if len(self.instances) + self.pending_creates >= self.max_instances:
             self.errors["too_many_instances"] += 1
             raise ApiError(429, "too_many_instances", f"instance limit reached ({self.max_instances}); close unused instances or raise env.max_instances")
         env_id = self.next_id
         self.next_id += 1
+        self.pending_creates += 1
         try:
             env = await self._call(self.family.create)
         except Exception as exc:
             log.exception("creating an env instance failed")
             raise ApiError(500, "env_error", f"creating an env instance failed ({type(exc).__name__}); see the server log") from None
+        finally:
+            self.pending_creates -= 1
         self.instances[env_id] = Instance(env_id, env)
         self.counters["created"] += 1
         return env_id
@@ -186,6 +191,14 @@ class InstanceTable:
     async def observation(self, env_id: int) -> str:
         inst = self._get(env_id)
         return await self._run(inst, "observation", inst.env.observation)
+
+    async def expert(self, env_id: int) -> str:
+        """The env's expert action (envs with an ``expert_action()`` method only: else 501)."""
+        inst = self._get(env_id)
+        fn = getattr(inst.env, "expert_action", None)
+        if fn is None:
+            raise ApiError(501, "no_expert", f"env {self.family.name!r} has no expert; GET /expert is not available")
+        return await self._run(inst, "expert", fn)
 
     async def close(self, env_id: int) -> None:
         """Idempotent for any id this server handed out; 404 for ids it never did."""
@@ -245,4 +258,5 @@ class InstanceTable:
             "errors": dict(self.errors),
             "latency": {k: v.summary() for k, v in self.latency.items()},
             "uptime_s": round(time.time() - self.started, 3),
+            "cpu_s": round(time.process_time(), 4),
         }

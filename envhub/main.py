@@ -17,14 +17,18 @@ SHORTHANDS = {"host": "env.host", "port": "env.port"}
 
 
 def rewrite_overrides(argv: list[str]) -> list[str]:
-    """``host=X`` -> ``++env.host=X``, ``port=N`` -> ``++env.port=N`` (``++``: set whether or not
-    the env yaml names the key)."""
+    """``host=X`` -> ``++env.host=X``, ``port=N`` -> ``++env.port=N``, ``env.K=V`` ->
+    ``++env.K=V``: ``++`` sets a key whether or not the env's yaml names it (Hydra refuses a
+    plain override of a schema key the yaml lacks); a misspelled key is still refused by the
+    typed schema, naming the key."""
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        bare = key.lstrip("+")
-        if sep and bare in SHORTHANDS:
+        bare = key.lstrip("+~")
+        if sep and key == bare and bare in SHORTHANDS:
             arg = f"++{SHORTHANDS[bare]}={value}"
+        elif sep and key == bare and bare.startswith("env."):
+            arg = f"++{bare}={value}"
         out.append(arg)
     return out
 
@@ -66,8 +70,12 @@ def serve(env_cfg) -> int:
     from envhub.registry import make_family
     from envhub.server import create_app
 
+    # Env calls run in ``env.options.server_threads`` worker threads (default 8);
+    # ``env.options.switch_interval_s`` sets the GIL switch interval (Python's default 5 ms).
+    if "switch_interval_s" in env_cfg.options:
+        sys.setswitchinterval(float(env_cfg.options["switch_interval_s"]))
     family = make_family(env_cfg)
-    app = create_app(family, env_cfg)
+    app = create_app(family, env_cfg, threads=int(env_cfg.options.get("server_threads", 8)))
     config = uvicorn.Config(app, host=env_cfg.host, port=env_cfg.port, log_level="warning", access_log=False, timeout_keep_alive=75, lifespan="on")
     server = _Server(config)
     logging.getLogger("envhub").info("serving %s on http://%s:%d", env_cfg.name, env_cfg.host, env_cfg.port)

@@ -10,6 +10,8 @@ Routes (JSON in, JSON out):
 - ``POST /step {"id" | "env_idx", "action"}`` -> ``{"observation", "reward", "done",
   "truncated", "info", ...extra}`` (``extra`` holds AgentGym fields such as ``score``)
 - ``GET /observation?id=`` -> the observation as a JSON string (AgentGym's shape)
+- ``GET /expert?id=`` -> ``{"action": str}``: the env's expert next action (envs that have
+  one, e.g. BabyAI's oracle; others answer 501)
 - ``POST /close {"id" | "env_idx"}`` -> ``true`` (idempotent for every id this server issued)
 - ``GET /health`` and ``GET /`` -> ``{"status": "ok", "env", "instances"}`` (200 once ready)
 - ``GET /metrics`` -> counters, errors by code, latency percentiles per operation
@@ -17,7 +19,7 @@ Routes (JSON in, JSON out):
 Errors are real status codes with ``{"error": {"code", "message"}}``: 404 unknown / closed /
 expired id or route, 405 wrong method, 413 body too large, 422 malformed body or missing
 field, 409 step before reset or after the episode ended, 410 instance broken by an earlier
-internal error, 429 instance limit, 500 internal failure (instance marked broken).  No stack
+internal error, 429 instance limit, 501 no expert for this env, 500 internal failure (instance marked broken).  No stack
 trace is ever sent; the server logs it.
 """
 
@@ -33,7 +35,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from envhub.base import EnvFamily
@@ -147,6 +149,13 @@ async def observation(request: Request) -> Response:
     return _json(await _table(request).observation(env_id))
 
 
+async def expert(request: Request) -> Response:
+    query = dict(request.query_params)
+    if "id" not in query and "env_idx" not in query:
+        raise ApiError(422, "missing_field", "missing query parameter 'id'")
+    return _json({"action": await _table(request).expert(instance_id(query))})
+
+
 async def close(request: Request) -> Response:
     data = await _body(request)
     await _table(request).close(instance_id(data))
@@ -182,7 +191,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal", f"internal server error ({type(exc).__name__}); see the server log")
 
 
-_PATHS = frozenset({"/create", "/reset", "/step", "/observation", "/close", "/health", "/", "/metrics"})
+_PATHS = frozenset({"/create", "/reset", "/step", "/observation", "/expert", "/close", "/health", "/", "/metrics"})
 
 
 class _Timing:
@@ -227,6 +236,7 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
         Route("/step", step, methods=["POST"]),
         Route("/observation", observation, methods=["GET"]),
         Route("/close", close, methods=["POST"]),
+        Route("/expert", expert, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -144,6 +144,10 @@ async def _stop_on_signal(scope: Any, service: Any) -> None:
 
 
 def setup_process() -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> dumps every thread's stack
     logging.basicConfig(level=os.environ.get("TURNSCALE_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if os.environ.get("OMP_NUM_THREADS"):

@@ -7,7 +7,8 @@ with another one is a bug and raises).
 
 Key namespaces (cleanrl-style):
 
-- ``rollout/``: groups received/accepted/dropped (``rollout/dropped/<reason>``), return,
+- ``rollout/``: groups received/accepted/dropped (``rollout/dropped/<reason>``; counted in
+  the step during which they arrived), and for the groups *trained* in the step: return,
   success, turns per episode, tokens per episode, finish reasons, turn limit, staleness
   (``rollout/staleness/<k>`` counts, ``rollout/staleness_mean``, ``rollout/staleness_max``);
 - ``env/<name>/`` and ``env/<name>/<category>/``: return and success;
@@ -66,14 +67,18 @@ class StepMetrics:
 # ----------------------------------------------------------------------------- what to record
 
 
-def record_group(m: StepMetrics, group: Any, accepted: bool, reason: str, staleness: int) -> None:
-    """Counters for every received group; episode statistics for accepted ones."""
+def record_intake(m: StepMetrics, accepted: bool, reason: str) -> None:
+    """Counters for every received group (counted in the step during which it arrived)."""
     m.add("rollout/groups_received", 1, "sum")
-    if not accepted:
+    if accepted:
+        m.add("rollout/groups_accepted", 1, "sum")
+    else:
         m.add("rollout/groups_dropped", 1, "sum")
         m.add(f"rollout/dropped/{reason}", 1, "sum")
-        return
-    m.add("rollout/groups_accepted", 1, "sum")
+
+
+def record_trained(m: StepMetrics, group: Any, staleness: int) -> None:
+    """Episode statistics and staleness of a group trained in this step."""
     if staleness >= 0:
         m.add(f"rollout/staleness/{staleness}", 1, "sum")
         m.add("rollout/staleness_mean", staleness, "mean")
@@ -95,6 +100,13 @@ def record_group(m: StepMetrics, group: Any, accepted: bool, reason: str, stalen
         if cat:
             m.add(f"env/{env}/{cat}/return", ep.reward)
             m.add(f"env/{env}/{cat}/success", float(ep.success))
+
+
+def record_group(m: StepMetrics, group: Any, accepted: bool, reason: str, staleness: int) -> None:
+    """Intake counters, plus episode statistics when ``accepted`` (both at once)."""
+    record_intake(m, accepted, reason)
+    if accepted:
+        record_trained(m, group, staleness)
 
 
 def record_train(m: StepMetrics, train_metrics: Mapping[str, float]) -> None:

@@ -58,10 +58,13 @@ class TurnSchedule:
         """What a checkpoint taken after ``step`` steps stores (JSON-able)."""
         return {"turns": list(self.turns), "every": self.every, "step": step, "stage": self.stage_at(step)}
 
-    def check_resume(self, state: dict[str, Any], step: int) -> int:
+    def check_resume(self, state: dict[str, Any] | None, step: int) -> int:
         """Verify a checkpoint's schedule state against this schedule at ``step``; returns
         the stage.  Raises ``ScheduleMismatch`` if turns/every changed or the stored stage
-        is not the one this step implies (a corrupt or hand-edited checkpoint)."""
+        is not the one this step implies (a corrupt or hand-edited checkpoint).  A
+        checkpoint without schedule state (``None``) resumes at ``stage_at(step)``."""
+        if state is None:
+            return self.stage_at(step)
         if list(state.get("turns", [])) != self.turns or int(state.get("every", -1)) != self.every:
             raise ScheduleMismatch(
                 f"checkpoint schedule turns={state.get('turns')} every={state.get('every')} differs from the "

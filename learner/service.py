@@ -9,7 +9,8 @@ One trio nursery holds four named tasks under ``LearnerService.serve``:
 - ``announce``: re-publishes the current ``PolicyAnnouncement`` on PUB every
   ``announce_every_s`` so late subscribers catch it (PUB drops messages sent before a
   subscription exists).
-- ``expiry``: expires leases whose deadline passed (their tasks are re-issued).
+- ``expiry``: expires leases whose deadline passed (their tasks are re-issued) and
+  forgets actors silent for ``max(3 heartbeats, lease_ttl_s)`` (they must Hello again).
 - ``train``: whenever ``groups_per_step`` accepted groups are buffered, runs one
   optimizer step in a worker thread (``trio.to_thread.run_sync``), so control messages
   are answered while the model trains.  Ordering after each step:
@@ -45,7 +46,7 @@ import zmq
 
 from conf.schema import Config
 from learner.leases import LeaseManager
-from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_group, record_train
+from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
 from learner.trajlog import NullTrajectoryLog
 from protocol import codec
@@ -143,6 +144,8 @@ class LearnerService:
         self.version = 0
         self.trained_groups = 0
         self.buffer: list[TrajectoryGroup] = []
+        self._staleness: dict[str, int] = {}
+        """lease id -> staleness at intake, for buffered groups."""
         self.manifest: WeightManifest | None = None
         self.actors: dict[str, ActorInfo] = {}
         self.metrics = StepMetrics()
@@ -243,9 +246,14 @@ class LearnerService:
         period = max(0.05, min(1.0, self.cfg.learner.lease_ttl_s / 4))
         while True:
             await trio.sleep(period)
-            for lease in self.leases.expire(trio.current_time()):
+            now = trio.current_time()
+            for lease in self.leases.expire(now):
                 self.metrics.add("rollout/leases_expired", 1, "sum")
                 log.info("lease %s (task %s) expired; re-issued", lease.lease_id, lease.task.data_idx)
+            silent = max(3 * self.cfg.learner.heartbeat_interval_s, self.cfg.learner.lease_ttl_s)
+            for a in [a for a in self.actors.values() if now - a.last_seen > silent]:
+                del self.actors[a.actor_id]  # its leases expire on their own; it must Hello again
+                log.info("actor %s silent for %.0fs; forgotten", a.actor_id, now - a.last_seen)
 
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> None:
@@ -281,6 +289,8 @@ class LearnerService:
         wall = max(t1 - self._last_step_end, 1e-9)
         m = self.metrics
         record_train(m, out)
+        for g in batch:
+            record_trained(m, g, self._staleness.pop(g.lease_id, -1))
         m.add("perf/step_time_s", t1 - t0, "last")
         m.add("perf/tokens_trained", tokens, "sum")
         m.add("perf/tokens_trained_per_s", tokens / max(t1 - t0, 1e-9), "last")
@@ -386,11 +396,12 @@ class LearnerService:
         live = self.leases.live.get(group.lease_id)
         lease_s = now - live.issued_at if live is not None else -1.0
         r = self.leases.intake(group, now)
-        record_group(self.metrics, group, r.accepted, r.reason, r.staleness)
+        record_intake(self.metrics, r.accepted, r.reason)
         self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason,
                                        lease_s=lease_s)
         if r.accepted:
             self.buffer.append(group)
+            self._staleness[group.lease_id] = r.staleness
             if len(self.buffer) >= self.cfg.learner.groups_per_step:
                 self._have_groups.set()
         else:

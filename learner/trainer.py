@@ -23,6 +23,14 @@ batch gets more than one optimizer update).  Since a step here is exactly one up
 every micro-batch's forward runs on the pre-step weights, so the detached log-probs of
 that same forward ARE ``pi_prox``, bit for bit: ``prox_forward="auto"`` (default) reuses
 them and saves a third of the step's compute.  Both give the same step (tested).
+
+Several ranks (``accelerate launch``): each rank calls ``train_step`` with its share of
+the groups; the loss normaliser is the all-reduced loss-token count, gradients are
+synchronised on the last micro-batch only, so every rank must plan the same number of
+micro-batches (give ranks equal shares).  ``state_dict_for_publish`` and
+``save_checkpoint`` gather the full model on every rank (call them on all ranks);
+sharded (FSDP) optimizer state is saved as each rank's ``optimizer.state_dict()`` only
+from the main rank — resuming FSDP runs is not covered yet.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from torch import nn
 from learner import advantages as adv_mod
 from learner import checkpoint as ckpt
 from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
-from learner.logprobs import token_entropy_BT, token_logprobs_BT
+from learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
 from learner.loss import LossMetrics, PPOLossConfig, ppo_loss, sft_loss, value_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +101,24 @@ def make_accelerator(device: str, dtype: str):
     mp = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     if mp == "fp16" and kind == "cpu":
         mp = "no"  # CPU autocast has no fp16; train in fp32
+    _reset_accelerate_if_changed(kind == "cpu", mp)
     return Accelerator(cpu=kind == "cpu", mixed_precision=mp)
+
+
+def _reset_accelerate_if_changed(cpu: bool, mp: str) -> None:
+    """accelerate keeps one process-wide state and refuses (or silently ignores) another
+    device / precision.  In a single-process run a Trainer with different settings resets
+    it (earlier Trainers of this process must not be used afterwards); under a
+    multi-process launch the settings come from the launcher and are never reset."""
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        return
+    state = AcceleratorState()
+    if state.num_processes > 1:
+        return
+    if str(state.mixed_precision) != mp or (state.device.type == "cpu") != cpu:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class Trainer:
@@ -334,16 +359,11 @@ class Trainer:
         mu = pad_BT([r.mu for r in rows]).to(d)
         return ids, attn, mask, mu
 
-    def _forward(self, rows: Sequence[_Row], ids: torch.Tensor, attn: torch.Tensor, *, grad_entropy: bool):
-        """Forward through the policy: (logprobs_BT, entropy_BT, values_BT | None, bootstrap_B | None)."""
+    def _forward(self, rows: Sequence[_Row], ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, *, grad_entropy: bool):
+        """Forward through the policy: (logprobs_BT, entropy_BT on mask tokens, values_BT | None, bootstrap_B | None)."""
         want_hidden = self.value_head is not None
         out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=want_hidden)
-        logp = token_logprobs_BT(out.logits, ids, self.temperature)
-        if grad_entropy:
-            ent = token_entropy_BT(out.logits, self.temperature)
-        else:
-            with torch.no_grad():
-                ent = token_entropy_BT(out.logits.detach(), self.temperature)
+        logp, ent = logprobs_and_entropy_BT(out.logits, ids, self.temperature, entropy_mask_BT=mask, entropy_grad=grad_entropy)
         values = boot = None
         if want_hidden:
             v_all = self.value_head(out.hidden_states[-1].float()).squeeze(-1)
@@ -357,8 +377,8 @@ class Trainer:
         """The extra no-grad forward: pi_prox (and the critic's values) before the step."""
         for mb in plan:
             sub = [rows[j] for j in mb]
-            ids, attn, _, _ = self._collate(sub)
-            logp, _, values, boot = self._forward(sub, ids, attn, grad_entropy=False)
+            ids, attn, mask, _ = self._collate(sub)
+            logp, _, values, boot = self._forward(sub, ids, attn, mask, grad_entropy=False)
             for b, r in enumerate(sub):
                 n = len(r.ids)
                 r.prox = logp[b, :n].float().cpu().numpy()
@@ -368,7 +388,7 @@ class Trainer:
 
     def _policy_micro_batch(self, rows: list[_Row], num_tokens: float) -> tuple[LossMetrics, float]:
         ids, attn, mask, mu = self._collate(rows)
-        logp, ent, values, boot = self._forward(rows, ids, attn, grad_entropy=self.loss_cfg.entropy_coef != 0)
+        logp, ent, values, boot = self._forward(rows, ids, attn, mask, grad_entropy=self.loss_cfg.entropy_coef != 0)
         if self.prox_forward == "extra":
             prox = pad_BT([r.prox for r in rows]).to(self.device)
         else:

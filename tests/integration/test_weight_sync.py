@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import zmq
 
 from actors.weight_sync import ChecksumMismatch, ReceiveBuffer, WeightSyncError, pull_weights, pull_weights_blocking
 from learner.weights import WeightPublisher
-from protocol import codec
+from protocol import checksums, codec
 from protocol.errors import RemoteError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
 from protocol.transport import AsyncSocket, configure, free_port
@@ -31,9 +30,9 @@ def state_dict(seed=0):
     }
 
 
-@pytest.fixture
-def publisher():
-    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.002, dtype="bfloat16")  # ~2 KB chunks: many of them
+@pytest.fixture(params=checksums.ALGOS)
+def publisher(request):
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.002, dtype="bfloat16", checksum_algo=request.param)  # ~2 KB chunks
     yield pub
     pub.close()
 
@@ -41,7 +40,7 @@ def publisher():
 def test_actor_pull_reconstructs_the_exact_tensors(publisher):
     sd = state_dict()
     manifest = publisher.publish(1, sd)
-    assert len(manifest.chunks) > 4 and manifest.checksum_algo == "crc32"
+    assert len(manifest.chunks) > 4 and manifest.checksum_algo == publisher.checksum_algo
     buf = ReceiveBuffer()
     got = pull_weights_blocking(publisher.endpoint, manifest, timeout_s=5, window=3, buffer=buf)
     assert list(got) == list(sd)
@@ -50,7 +49,7 @@ def test_actor_pull_reconstructs_the_exact_tensors(publisher):
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
     stream = buf.buf[: manifest.total_bytes]
     for c in manifest.chunks:
-        assert zlib.crc32(memoryview(stream[c.offset:c.offset + c.nbytes])) == c.checksum
+        assert checksums.checksum(manifest.checksum_algo, stream[c.offset:c.offset + c.nbytes]) == c.checksum
 
 
 def test_trio_pull_reuses_one_buffer_across_versions(publisher):
@@ -151,3 +150,38 @@ def test_pull_from_a_silent_endpoint_fails_within_its_bounds():
     with pytest.raises(WeightSyncError, match="no reply"):
         pull_weights_blocking(f"tcp://127.0.0.1:{free_port()}", manifest, timeout_s=0.2, max_retries=1)
     assert time.monotonic() - t0 < 5
+
+
+def test_trained_weights_published_and_pulled_give_the_same_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conf.schema import Config
+    from learner.synthetic import build_tiny_model, synthetic_groups
+    from learner.trainer import Trainer
+
+    path = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
+    cfg = Config()
+    cfg.algo.lr = 1e-2
+    trainer = Trainer(cfg, path)
+    trainer.train_step(synthetic_groups(2, 4, vocab=256, prompt_len=8, turns=2, tokens_per_turn=6, obs_len=4))
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.01, dtype="float32")
+    try:
+        manifest = pub.publish(trainer.step, trainer.state_dict_for_publish("float32"))
+        tensors = pull_weights_blocking(pub.endpoint, manifest, timeout_s=5)
+    finally:
+        pub.close()
+    actor_model = AutoModelForCausalLM.from_pretrained(path)  # the actor starts from the initial weights
+    actor_model.load_state_dict(tensors, strict=True)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(actor_model(input_ids=ids).logits, trainer.hf_model(input_ids=ids).logits)
+
+
+def test_publisher_reuses_the_retired_versions_buffer(publisher):
+    publisher.publish(1, state_dict(1))
+    first = publisher._versions[1].buf.ctypes.data
+    pull_weights_blocking(publisher.endpoint, publisher._versions[1].manifest, timeout_s=5)  # zero-copy sends from it
+    publisher.publish(2, state_dict(2))
+    publisher.publish(3, state_dict(3))  # retires 1 first, then writes into its buffer
+    assert publisher.versions() == [2, 3]
+    assert publisher._versions[3].buf.ctypes.data == first

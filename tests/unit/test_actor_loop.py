@@ -92,7 +92,7 @@ def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
     actor = make_actor(cfg, env, engine)
 
     async def main():
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(svc.serve)
                 await svc.ready.wait()
@@ -107,6 +107,7 @@ def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
     assert actor.stats.groups_accepted >= 8
     assert len(env.created) <= cfg.actor.max_groups * cfg.algo.group_size + 1  # reused, one replaced
     assert len(env.closed) == len(env.created)  # all closed at exit (the broken one at once)
+    assert actor.pools["babyai"].replaced >= 1  # the instance that errored (plus any cancelled at shutdown)
     assert actor.stop_reason.startswith("learner shutdown")
 
 
@@ -124,7 +125,7 @@ def test_actor_survives_learner_restart():
         return s
 
     async def main():
-        with trio.fail_after(40):
+        with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(actor.run)
                 first = service()
@@ -147,3 +148,47 @@ def test_actor_survives_learner_restart():
     trio.run(main)
     assert actor.stats.sessions >= 2
     assert trainers[1].step == 2
+
+
+def test_actor_abandons_leases_the_learner_no_longer_holds():
+    cfg = make_cfg(**{"learner.steps": 1, "learner.max_staleness": 0, "actor.max_groups": 2,
+                      "learner.heartbeat_interval_s": 0.1})
+    trainer = FakeTrainer()
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.3, 0.2
+    env, engine = FakeEnvClient(), FakeEngine()
+    actor = make_actor(cfg, env, engine)
+    slow = {"first": True}
+    inner = actor.deps.make_runtime
+
+    async def make_runtime(welcome):
+        rt = await inner(welcome)
+        play = rt.play_group
+
+        async def play_group(lease, sessions):
+            if slow.pop("first", False):
+                await trio.sleep(30)  # stuck: the learner will forget this lease
+            return await play(lease, sessions)
+
+        rt.play_group = play_group
+        return rt
+
+    actor.deps.make_runtime = make_runtime
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                n.start_soon(actor.run)
+                while svc.leases.in_flight != 1 or actor.stats.groups_accepted < 1:
+                    await trio.sleep(0.01)
+                stuck = list(svc.leases.live.values())[0].lease
+                svc.leases.expire(trio.current_time() + 1e6)  # as if its deadline passed
+                while actor.stats.groups_abandoned < 1:
+                    await trio.sleep(0.01)
+                return stuck
+
+    trio.run(main)
+    assert actor.stats.groups_abandoned == 1
+    assert trainer.step == 1 and len(trainer.trained) == 2  # the re-issued task was played by a new lease

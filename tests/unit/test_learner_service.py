@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import trio
 import zmq
 
@@ -96,7 +97,7 @@ def run_service_with(cfg, parts, script):
     out = {}
 
     async def main():
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(svc.serve)
                 await svc.ready.wait()
@@ -112,9 +113,17 @@ def run_service_with(cfg, parts, script):
 
 def test_synchronous_run_trains_every_group_once_and_advances_versions():
     cfg = make_cfg()
-    trainer, pub, store = FakeTrainer(), FakePublisher(), []
+    trainer, pub, store, logged = FakeTrainer(), FakePublisher(), [], []
+
+    class CaptureLogger:
+        def write(self, step, metrics):
+            logged.append((step, metrics))
+
+        def close(self):
+            pass
+
     parts = ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule(),
-                         checkpointer=MemCheckpointer(trainer, store), model_path="/models/tiny")
+                         checkpointer=MemCheckpointer(trainer, store), model_path="/models/tiny", logger=CaptureLogger())
 
     async def script(svc, ctx):
         sub = configure(ctx.socket(zmq.SUB))
@@ -159,6 +168,12 @@ def test_synchronous_run_trains_every_group_once_and_advances_versions():
     assert limits == [6, 6, 6, 6, 13, 13]  # stage advances at step 2
     assert shutdown and max(versions) == 3
     assert [s for s, _ in store] == [2, 3]
+    assert [st for st, _ in logged] == [1, 2, 3]
+    for st, m in logged:  # rollout statistics describe the groups trained in that step
+        assert m["rollout/trained_groups_total"] == 2 * st
+        assert m["rollout/return"] == 0.5 and m["rollout/staleness/0"] == 2
+        assert m["loss/pg"] == pytest.approx(0.1 * st) and m["loss/grad_norm"] == 1.0
+        assert m["rollout/turn_limit"] == (6 if st <= 2 else 13)
     assert store[-1][1]["version"] == 3 and store[-1][1]["turn_limit"] == 13
 
 
@@ -208,6 +223,8 @@ def test_resume_restores_version_step_and_task_cursor():
                 await req.request(make_group(lease, actor_id=actor), timeout_s=5)
             if not g.leases:
                 await trio.sleep(0.02)
+        while not svc.stopping:  # the last step's publication and checkpoint are written
+            await trio.sleep(0.02)
         req.sock.close()
         return tasks
 
@@ -232,7 +249,7 @@ def test_resume_restores_version_step_and_task_cursor():
         svc2.linger_s, svc2.announce_every_s = 0.3, 0.2
         ctx = zmq.Context()
         try:
-            with trio.fail_after(30):
+            with trio.fail_after(60):
                 async with trio.open_nursery() as n:
                     n.start_soon(svc2.serve)
                     await svc2.ready.wait()

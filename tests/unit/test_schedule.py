@@ -56,3 +56,7 @@ def test_bad_schedules_are_rejected():
         TurnSchedule(turns=[], every=10)
     with pytest.raises(ValueError):
         TurnSchedule(turns=[5], every=0)
+
+
+def test_a_checkpoint_without_schedule_state_resumes_at_the_stage_of_its_step():
+    assert S.check_resume(None, 150) == 1

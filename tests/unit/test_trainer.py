@@ -215,3 +215,73 @@ def test_logprobs_follow_the_shared_convention():
         for t in range(1, 4):
             want[b, t] = torch.log_softmax(logits[b, t - 1] / 0.7, -1)[ids[b, t]]
     torch.testing.assert_close(got, want)
+
+
+def test_fused_logprobs_and_entropy_match_the_reference_functions():
+    from learner.logprobs import logprobs_and_entropy_BT, token_entropy_BT
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 0, 1], [0, 0, 1, 1, 0]])
+    lp, ent = logprobs_and_entropy_BT(logits, ids, 1.3, entropy_mask_BT=mask, entropy_grad=True)
+    torch.testing.assert_close(lp, token_logprobs_BT(logits, ids, 1.3))
+    torch.testing.assert_close(ent, token_entropy_BT(logits, 1.3) * mask)
+    ent.sum().backward()
+    assert logits.grad.abs().sum() > 0
+    _, ent_nograd = logprobs_and_entropy_BT(logits, ids, 1.3, entropy_mask_BT=mask)
+    assert not ent_nograd.requires_grad
+
+
+def test_learner_logprobs_equal_the_actor_convention():
+    from turnscale.logprobs import token_logprobs
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 6, 13)
+    ids = torch.randint(0, 13, (3, 6))
+    torch.testing.assert_close(token_logprobs_BT(logits, ids, 0.8)[:, 1:], token_logprobs(logits[:, :-1], ids[:, 1:], 0.8),
+                               rtol=0, atol=0)
+
+
+def test_unknown_devices_are_rejected_with_the_choices():
+    from learner.trainer import make_accelerator
+
+    with pytest.raises(ValueError, match="cpu, cuda"):
+        make_accelerator("tpu", "float32")
+
+
+@pytest.mark.gpu
+def test_training_on_cuda_with_bf16_mixed_precision(model_dir):
+    cfg = make_cfg("ppo", kl_coef=0.01)
+    cfg.learner.device = "cuda"
+    cfg.model.dtype = "bfloat16"
+    tr = Trainer(cfg, model_dir)
+    assert tr.device.type == "cuda" and tr.accelerator.mixed_precision == "bf16"
+    for b in batches(2):
+        m = tr.train_step(b)
+    assert tr.step == 2 and np.isfinite(m["loss/policy_loss"]) and np.isfinite(m["loss/value"])
+    sd = tr.state_dict_for_publish("bfloat16")
+    assert all(v.device.type == "cpu" and v.dtype == torch.bfloat16 for v in sd.values())
+
+
+def test_bf16_mixed_precision_on_cpu_trains(model_dir):
+    cfg = make_cfg()
+    cfg.model.dtype = "bfloat16"
+    tr = Trainer(cfg, model_dir)
+    assert tr.accelerator.mixed_precision == "bf16"
+    before = params(tr)
+    m = tr.train_step(batches(1)[0])
+    assert np.isfinite(m["loss/policy_loss"]) and tr.step == 1
+    assert next(iter(tr.hf_model.parameters())).dtype == torch.float32  # fp32 master weights
+    assert any(not torch.equal(before[k], v) for k, v in params(tr).items())
+    fp32 = Trainer(make_cfg(), model_dir)  # back to fp32 in the same process
+    assert fp32.accelerator.mixed_precision == "no"
+
+
+def test_rng_states_round_trip():
+    import random
+
+    state = ckpt.capture_rng()
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt.restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a

@@ -1,0 +1,77 @@
+"""Start an envhub server as a child process (tests, benchmarks, ``turnscale run``).
+
+    with envhub_server("babyai", idle_timeout_s=1.0) as url:
+        ...
+
+Binds 127.0.0.1 on a free port (unless ``port=`` is given), waits for ``GET /health`` = 200,
+and ends the child by its pid (SIGTERM, then SIGKILL after 10 s).  Overrides are env keys
+(``max_instances=4`` -> ``++env.max_instances=4``); a key with a dot is passed as it is.
+The child's output goes to a temp file, shown if startup fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:
+    """Poll ``url/health`` until 200; raise if ``proc`` exits or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"envhub exited with {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1.0) as r:
+                if r.status == 200:
+                    return json.loads(r.read())
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"envhub at {url} not healthy within {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+
+
+@contextlib.contextmanager
+def envhub_server(env: str = "babyai", *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 60.0, **overrides: object) -> Iterator[str]:
+    port = port or free_port()
+    args = [sys.executable, "-m", "turnscale", "envhub", f"env={env}", f"host={host}", f"port={port}"]
+    args += [f"++{k if '.' in k else 'env.' + k}={v}" for k, v in overrides.items()]
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"envhub-{env}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    url = f"http://{host}:{port}"
+    try:
+        try:
+            wait_healthy(url, proc, startup_timeout_s)
+        except Exception as exc:
+            log.seek(0)
+            raise RuntimeError(f"envhub {env} did not start ({exc}): {log.read()[-3000:]}") from None
+        yield url
+    finally:
+        stop(proc)
+        log.close()
+        os.unlink(log.name)
