@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from benchmarks.common import Result, result
-from benchmarks.e2e_stats import RunStats, load_run
+from benchmarks.e2e_stats import RunStats, load_run, read_jsonl
 from benchmarks.makespan import ideal_speedup, lockstep_makespan, work_conserving_makespan
 
 
@@ -48,14 +49,14 @@ class Workload:
     """The long-tail workload the envhub serves (``env.options.sim_latency``)."""
 
     seed: int = 0
-    median_s: float = 0.2
+    median_s: float = 0.3
     sigma: float = 0.8
     max_s: float = 5.0
     task_sigma: float = 1.2
-    reset_s: float = 0.3
+    reset_s: float = 0.5
     steps_median: float = 1.0
     steps_sigma: float = 1.0
-    steps_max: int = 12
+    steps_max: int = 10
 
     def override(self) -> str:
         body = ", ".join(f"{k}: {v}" for k, v in asdict(self).items())
@@ -78,7 +79,7 @@ class RunSpec:
     max_staleness: int = 2
     turn_limit: int = 16
     max_new_tokens: int = 48
-    decode_s_per_step: float = 0.005
+    decode_s_per_step: float = 0.01
     """Sim engine: seconds per decoding step of the whole batch."""
     mean_new_tokens: int = 24
     long_tail: float = 0.2
@@ -101,21 +102,23 @@ def envhub_args(workload: Workload, port: int) -> list[str]:
     return ["envhub", "env=babyai", "host=127.0.0.1", f"port={port}", workload.override()]
 
 
-BENCH_MODEL = ("model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
-               "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128")
-"""The benchmark's tiny model (0.3M parameters): training stays cheap next to rollouts."""
+BENCH_MODEL = ("model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+               "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64")
+"""The benchmark's tiny model (0.14M parameters, the tiny tokenizer's 2048-token vocabulary):
+its step costs little next to rollouts."""
 
 
-def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], learner_dir: Path) -> list[str]:
+def learner_args(spec: RunSpec, env_port: int, ports: tuple[int, int, int], learner_dir: Path, model_path: str = "") -> list[str]:
+    model = [f"model.path={model_path}"] if model_path else list(BENCH_MODEL)
     return [
-        "learner", "env=babyai", *BENCH_MODEL, f"env.port={env_port}", f"engine={spec.engine}", "algo=grpo",
+        "learner", "env=babyai", *model, f"env.port={env_port}", f"engine={spec.engine}", "algo=grpo",
         f"algo.group_size={spec.group_size}", "algo.lr=1e-4",
         f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
         f"learner.max_staleness={spec.max_staleness}", f"learner.groups_per_step={spec.groups_per_step}",
         f"learner.steps={spec.steps}", f"learner.seed={spec.seed}", f"learner.dir={learner_dir}",
         f"learner.checkpoint_every={spec.steps + 1000}", "learner.save_trajectories=true",
         f"schedule.turns=[{spec.turn_limit}]", f"sampling.max_new_tokens={spec.max_new_tokens}",
-        "logger.tensorboard=false", "logger.console_every_s=5",
+        "learner.heartbeat_interval_s=1", "logger.tensorboard=false", "logger.console_every_s=5",
     ]
 
 
@@ -129,30 +132,131 @@ def actor_args(spec: RunSpec, learner_port: int, index: int) -> list[str]:
     ]
 
 
-def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float) -> RunStats:
-    """Start envhub, learner and actors for ``spec``; wait for the learner to finish its
-    steps (bounded by ``timeout_s``); end every child by pid; read the learner's files."""
-    from turnscale.procs import ChildFailed, ProcessGroup, wait_http_ok
+def prepare_model() -> str:
+    """Build (once, cached) the benchmark's tiny model as the learner would, and return its
+    folder, so every learner of the suite loads it instead of rebuilding the corpus."""
+    import conf
+    from learner.main import resolve_model_path
 
-    run_dir = root / spec.name
-    learner_dir = run_dir / "learner"
-    env_port, ports = free_port(), (free_port(), free_port(), free_port())
+    return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]))
+
+
+class Cluster:
+    """One envhub server and one learner for ``spec``; actors are added with ``add_actors``.
+    Every child is started here and ended by pid on exit (actors, learner, envhub)."""
+
+    def __init__(self, spec: RunSpec, workload: Workload, run_dir: Path, model_path: str = "") -> None:
+        from turnscale.procs import ProcessGroup
+
+        self.spec, self.workload, self.run_dir, self.model_path = spec, workload, run_dir, model_path
+        self.learner_dir = run_dir / "learner"
+        self.env_port, self.ports = free_port(), (free_port(), free_port(), free_port())
+        self.pg = ProcessGroup(run_dir / "logs")
+        self.actors: list[Any] = []
+
+    def __enter__(self) -> "Cluster":
+        from turnscale.procs import wait_http_ok
+
+        try:
+            self.env = self.pg.start("envhub", envhub_args(self.workload, self.env_port))
+            self.learner = self.pg.start("learner", learner_args(self.spec, self.env_port, self.ports, self.learner_dir, self.model_path))
+            wait_http_ok(f"http://127.0.0.1:{self.env_port}/health", timeout_s=60.0, child=self.env)
+        except BaseException:
+            self.pg.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.pg.close()
+
+    def add_actors(self, n: int) -> None:
+        """Start actors until ``n`` run."""
+        while len(self.actors) < n:
+            i = len(self.actors)
+            self.actors.append(self.pg.start(f"actor{i}", actor_args(self.spec, self.ports[0], i)))
+
+    def check(self, deadline: float, what: str) -> None:
+        """Raise ``ChildFailed`` past ``deadline`` or when a child died with an error."""
+        from turnscale.procs import ChildFailed
+
+        if time.monotonic() > deadline:
+            raise ChildFailed(f"{self.spec.name}: timed out waiting for {what}:\n{self.learner.tail()}")
+        for c in [self.env, *self.actors]:
+            if not c.alive() and c.popen.returncode != 0:
+                raise ChildFailed(f"{self.spec.name}: {c.name} exited with {c.popen.returncode}:\n{c.tail()}")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.learner_dir / "metrics.jsonl")
+
+
+def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float, model_path: str = "") -> RunStats:
+    """Start envhub, learner and ``spec.actors`` actors; wait for the learner to finish its
+    steps (bounded by ``timeout_s``); end every child by pid; read the learner's files."""
+    from turnscale.procs import ChildFailed
+
     deadline = time.monotonic() + timeout_s
-    with ProcessGroup(run_dir / "logs") as pg:
-        env = pg.start("envhub", envhub_args(workload, env_port))
-        learner = pg.start("learner", learner_args(spec, env_port, ports, learner_dir))
-        wait_http_ok(f"http://127.0.0.1:{env_port}/health", timeout_s=min(60.0, timeout_s), child=env)
-        actors = [pg.start(f"actor{i}", actor_args(spec, ports[0], i)) for i in range(spec.actors)]
-        while learner.alive():
-            if time.monotonic() > deadline:
-                raise ChildFailed(f"{spec.name}: learner did not finish {spec.steps} steps in {timeout_s:.0f}s:\n{learner.tail()}")
-            for c in [env, *actors]:
-                if not c.alive() and c.popen.returncode != 0:
-                    raise ChildFailed(f"{spec.name}: {c.name} exited with {c.popen.returncode}:\n{c.tail()}")
+    with Cluster(spec, workload, root / spec.name, model_path) as c:
+        c.add_actors(spec.actors)
+        while c.learner.alive():
+            c.check(deadline, f"{spec.steps} learner steps")
             time.sleep(0.25)
-        if learner.popen.returncode != 0:
-            raise ChildFailed(f"{spec.name}: learner exited with {learner.popen.returncode}:\n{learner.tail()}")
-    return load_run(learner_dir, spec.groups_per_step, spec.warmup)
+        if c.learner.popen.returncode != 0:
+            raise ChildFailed(f"{spec.name}: learner exited with {c.learner.popen.returncode}:\n{c.learner.tail()}")
+    return load_run(c.learner_dir, spec.groups_per_step, spec.warmup)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One actor count of the scaling run."""
+
+    actors: int
+    steps: int
+    window_s: float
+    groups_per_s: float
+    learner_busy: float
+
+
+def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_step: int, warmup: int,
+                  settle_s: float = 0.0) -> Phase | None:
+    """Rates over the steps logged while exactly ``actors`` actors were registered.  The
+    window starts at the end of the ``warmup``-th such step, or later: at the first one at
+    least ``settle_s`` after the phase's first step (joining actors load their engine for a
+    few seconds after registering and take CPU from the rest).  None until one step is
+    measured."""
+    mine = [r for r in records if r.get("actors/count") == actors and "time" in r]
+    if warmup < 1 or len(mine) < warmup + 1:
+        return None
+    t_first = float(mine[0]["time"])
+    i0 = next((i for i in range(warmup - 1, len(mine)) if float(mine[i]["time"]) - t_first >= settle_s), None)
+    if i0 is None or i0 + 1 >= len(mine):
+        return None
+    start, inside = mine[i0], mine[i0 + 1:]
+    window = float(inside[-1]["time"]) - float(start["time"])
+    if window <= 0:
+        return None
+    busy = sum(float(r.get("perf/step_time_s", 0.0)) for r in inside)
+    return Phase(actors, len(inside), window, groups_per_step * len(inside) / window, busy / window)
+
+
+def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: Path, steps_per_phase: int,
+                timeout_s: float, model_path: str = "", settle_s: float = 5.0) -> list[Phase]:
+    """One learner; actors join in phases (``counts``, ascending).  Each phase lasts until
+    ``steps_per_phase`` steps were logged with that many actors registered after one
+    warm-up step and ``settle_s`` seconds (new actors start up meanwhile).  Actors may join at any time, so this
+    measures the same thing as separate runs without paying the start-up per count."""
+    phases: list[Phase] = []
+    deadline = time.monotonic() + timeout_s
+    with Cluster(spec, workload, root / spec.name, model_path) as c:
+        for n in counts:
+            c.add_actors(n)
+            while True:
+                c.check(deadline, f"{steps_per_phase} steps with {n} actors")
+                ph = phase_figures(c.metrics(), n, spec.groups_per_step, warmup=1, settle_s=settle_s)
+                if ph is not None and ph.steps >= steps_per_phase:
+                    phases.append(ph)
+                    break
+                time.sleep(0.5)
+    return phases
 
 
 @dataclass
@@ -168,14 +272,19 @@ def _details(o: Outcome) -> dict[str, Any]:
         "groups_per_s": s.groups_per_s, "tokens_per_s": s.tokens_per_s, "learner_busy": s.learner_busy,
         "step_time_s": s.step_time_s, "staleness_hist": s.staleness_hist, "dropped": s.dropped, "extra": s.extra,
         "groups": [{"lease_id": g.lease_id, "data_idx": g.data_idx, "accepted": g.accepted,
-                    "episode_s": list(g.episode_s), "turns": list(g.turns), "sampled_tokens": g.sampled_tokens} for g in s.groups],
+                    "lease_s": g.lease_s, "episode_s": list(g.episode_s), "turns": list(g.turns), "sampled_tokens": g.sampled_tokens} for g in s.groups],
     }
 
 
-def ideal(sync: Outcome) -> tuple[float, float, float]:
+def ideal(sync: Outcome, other: Outcome | None = None) -> tuple[float, float, float]:
     """(ideal speed-up, lock-step makespan, work-conserving makespan) of the sync run's own
-    trained groups, with its slots, batch and measured step time."""
-    d, sp, st = sync.stats.trained_durations, sync.spec, sync.stats.step_time_s
+    trained groups (each costs its slot the lease's wall time), with its slots and batch.
+    The optimizer step time is the mean over both runs' measured steps (the same training
+    work; on a shared machine either run alone is noisy)."""
+    d, sp = sync.stats.trained_durations, sync.spec
+    runs = [r for r in (sync, other) if r is not None]
+    n = sum(r.stats.steps for r in runs)
+    st = sum(r.stats.step_time_s * r.stats.steps for r in runs) / max(n, 1)
     return (ideal_speedup(d, sp.slots, sp.groups_per_step, st),
             lockstep_makespan(d, sp.slots, sp.groups_per_step, st),
             work_conserving_makespan(d, sp.slots, sp.groups_per_step, st))
@@ -189,7 +298,7 @@ def compare(tag: str, a: Outcome, s: Outcome, target: float | None, efficiency_t
         result(f"async_vs_sync_{tag}_tokens", a.stats.tokens_per_s, "gen tokens/s", "sync lock-step", s.stats.tokens_per_s),
     ]
     speedup = a.stats.groups_per_s / s.stats.groups_per_s if s.stats.groups_per_s > 0 else float("nan")
-    best, _, _ = ideal(s)
+    best, _, _ = ideal(s, a)
     out.append(result(f"async_efficiency_{tag}", speedup, "speed-up", "ideal speed-up of the sampled costs", best, target=efficiency_target))
     return out
 
@@ -201,8 +310,10 @@ def per_run(o: Outcome) -> list[Result]:
         total = sum(s.staleness_hist.values())
         mean = sum(k * v for k, v in s.staleness_hist.items()) / max(total, 1)
         out.append(result(f"{n}_staleness_mean", mean, "versions", f"max_staleness={o.spec.max_staleness}", max(o.spec.max_staleness, 1)))
-    for key, val in sorted(s.extra.items()):
-        out.append(result(f"{n}_{key.replace('/', '_')}", val, "s" if key.endswith("_s") else "fraction", "reported only", 1.0))
+    if "actor_engine_busy" in s.extra:
+        out.append(result(f"{n}_actor_engine_busy", s.extra["actor_engine_busy"], "fraction", "always busy", 1.0))
+    if "weight_sync_s" in s.extra:
+        out.append(result(f"{n}_weight_sync_s", s.extra["weight_sync_s"], "s/version", "learner step time", s.step_time_s, lower_is_better=True))
     return out
 
 
@@ -213,16 +324,17 @@ def add_arguments(parser) -> None:
     a("--e2e-max-groups", type=int, default=2, help="leases per actor (slots = actors x this)")
     a("--e2e-group-size", type=int, default=2, help="episodes per group (GRPO n)")
     a("--e2e-groups-per-step", type=int, default=0, help="0: one group per slot (actors x max-groups)")
-    a("--e2e-steps", type=int, default=8, help="optimizer steps per sim run (the first is warm-up)")
-    a("--e2e-hf-steps", type=int, default=4)
+    a("--e2e-steps", type=int, default=6, help="optimizer steps per sim run (the first is warm-up)")
+    a("--e2e-hf-steps", type=int, default=5)
+    a("--e2e-hf-actors", type=int, default=2, help="actors in the hf comparison (each loads torch and the model)")
     a("--e2e-hf-turn-limit", type=int, default=4)
     a("--e2e-hf-max-new-tokens", type=int, default=16)
-    a("--e2e-turn-limit", type=int, default=12)
+    a("--e2e-turn-limit", type=int, default=10)
     a("--e2e-max-new-tokens", type=int, default=48)
     a("--e2e-staleness", type=int, default=2, help="max_staleness of the async runs")
     a("--e2e-scaling", default="1,2,4,8", help="actor counts for the scaling runs")
-    a("--e2e-scaling-steps", type=int, default=8, help="steps at the largest actor count (fewer with fewer actors)")
-    a("--e2e-scaling-groups-per-step", type=int, default=4, help="batch of the scaling runs (x (1 + staleness) >= top count)")
+    a("--e2e-scaling-steps", type=int, default=2, help="measured steps per scaling phase (after one warm-up step)")
+    a("--e2e-scaling-groups-per-step", type=int, default=2, help="batch of the scaling run")
     a("--e2e-latency-median", type=float, default=Workload.median_s, help="median env step latency, s")
     a("--e2e-latency-sigma", type=float, default=Workload.sigma)
     a("--e2e-task-sigma", type=float, default=Workload.task_sigma, help="spread of the per-task latency factor")
@@ -247,61 +359,78 @@ def run(args) -> list[Result]:
                    groups_per_step=args.e2e_groups_per_step or args.e2e_actors * args.e2e_max_groups,
                    steps=args.e2e_steps, turn_limit=args.e2e_turn_limit, max_new_tokens=args.e2e_max_new_tokens,
                    decode_s_per_step=args.e2e_decode_s, seed=args.e2e_seed)
+    t0, load0 = time.monotonic(), os.getloadavg()
+    model_path = prepare_model()
+    print(f"   e2e model {model_path} ({time.monotonic() - t0:.0f}s)", flush=True)
     outcomes: list[Outcome] = []
     results: list[Result] = []
 
     def go(spec: RunSpec) -> Outcome:
         t0 = time.monotonic()
-        print(f"   e2e run {spec.name}: {spec.engine}, {spec.actors} actors, max_staleness={spec.max_staleness}, {spec.steps} steps", flush=True)
-        o = Outcome(spec, run_one(spec, workload, root, args.e2e_run_timeout))
+        print(f"   e2e run {spec.name}: {spec.engine}, {spec.actors} actors x {spec.max_groups} leases, "
+              f"max_staleness={spec.max_staleness}, {spec.steps} steps", flush=True)
+        o = Outcome(spec, run_one(spec, workload, root, args.e2e_run_timeout, model_path))
         print(f"   -> {o.stats.groups_per_s:.3g} groups/s, {o.stats.tokens_per_s:.4g} tok/s, learner busy {o.stats.learner_busy:.2f}"
               f" ({time.monotonic() - t0:.0f}s)", flush=True)
         outcomes.append(o)
         return o
 
-    async_sim = None
     if "sim" in parts:
         async_sim = go(replace(base, name="sim_async", max_staleness=args.e2e_staleness))
         sync_sim = go(replace(base, name="sim_sync", max_staleness=0))
         results += compare("sim", async_sim, sync_sim, target=2.5, efficiency_target=0.85)
     if "hf" in parts:
-        hf = replace(base, engine="hf", steps=args.e2e_hf_steps, turn_limit=args.e2e_hf_turn_limit, max_new_tokens=args.e2e_hf_max_new_tokens)
+        hf = replace(base, engine="hf", actors=args.e2e_hf_actors, groups_per_step=args.e2e_hf_actors * base.max_groups,
+                     steps=args.e2e_hf_steps, turn_limit=args.e2e_hf_turn_limit, max_new_tokens=args.e2e_hf_max_new_tokens)
         a = go(replace(hf, name="hf_async", max_staleness=args.e2e_staleness))
         s = go(replace(hf, name="hf_sync", max_staleness=0))
         results += compare("hf", a, s, target=None, efficiency_target=None)
+    phases: list[Phase] = []
     if "scaling" in parts:
-        results += scaling(args, base, async_sim, go)
+        phases = scaling_phases(args, base, workload, root, model_path)
+        results += scaling_results(phases)
     for o in outcomes:
         results += per_run(o)
-    details = {"workload": asdict(workload), "runs": [_details(o) for o in outcomes]}
+    details: dict[str, Any] = {"workload": asdict(workload), "model_path": model_path, "wall_s": time.monotonic() - t0,
+                               "loadavg_start": load0, "loadavg_end": os.getloadavg(), "runs": [_details(o) for o in outcomes],
+                               "scaling": [asdict(p) for p in phases]}
     for tag in ("sim", "hf"):
         s = next((o for o in outcomes if o.spec.name == f"{tag}_sync"), None)
+        a = next((o for o in outcomes if o.spec.name == f"{tag}_async"), None)
         if s is not None:
-            sp, ls, ws = ideal(s)
+            sp, ls, ws = ideal(s, a)
             details[f"ideal_{tag}"] = {"speedup": sp, "lockstep_makespan_s": ls, "work_conserving_makespan_s": ws}
     (root / "e2e_runs.json").write_text(json.dumps(details, indent=1))
-    print(f"   details: {root / 'e2e_runs.json'}", file=sys.stderr, flush=True)
+    print(f"   details: {root / 'e2e_runs.json'}", flush=True)
     return results
 
 
-def scaling(args, base: RunSpec, reuse: Outcome | None, go) -> list[Result]:
-    """Groups/s with n actors (one lease each, async, fixed batch) against 1 actor."""
+def scaling_phases(args, base: RunSpec, workload: Workload, root: Path, model_path: str) -> list[Phase]:
+    """Actors (one lease each, async) join one learner in phases of 1, 2, 4, 8 (``--e2e-scaling``).
+    ``max_staleness`` is raised where needed so that admission lets every actor work
+    (``(max_staleness + 1) * groups_per_step >= actors``)."""
     counts = sorted({int(c) for c in args.e2e_scaling.split(",") if c.strip()})
     if not counts:
         return []
-    top = max(counts)
-    per_n: dict[int, Outcome] = {}
-    for n in counts:
-        spec = replace(base, name=f"scale_{n}", actors=n, max_groups=1, max_staleness=args.e2e_staleness,
-                       groups_per_step=args.e2e_scaling_groups_per_step,
-                       steps=max(3, math.ceil(args.e2e_scaling_steps * n / top)))
-        if reuse is not None and replace(reuse.spec, name=spec.name, steps=spec.steps) == spec:
-            per_n[n] = reuse  # the async comparison run is this scaling point
-            continue
-        per_n[n] = go(spec)
-    one = per_n[counts[0]]
-    out = [result(f"scaling_sim_{n}actors", o.stats.groups_per_s, "groups/s", f"{counts[0]} actor(s)", one.stats.groups_per_s)
-           for n, o in per_n.items()]
-    busy = per_n[top].stats.learner_busy
-    out.append(result(f"learner_busy_{top}actors", busy, "fraction", "always busy (1.0)", 1.0, target=2.0, lower_is_better=True))
+    gps = args.e2e_scaling_groups_per_step
+    spec = replace(base, name="scaling", actors=max(counts), max_groups=1, groups_per_step=gps, steps=100_000,
+                   max_staleness=max(args.e2e_staleness, math.ceil(max(counts) / gps) - 1))
+    t0 = time.monotonic()
+    print(f"   e2e run scaling: actors join in phases {counts}, {gps} groups/step, max_staleness={spec.max_staleness}", flush=True)
+    phases = run_scaling(spec, counts, workload, root, args.e2e_scaling_steps, args.e2e_run_timeout * 2, model_path)
+    for ph in phases:
+        print(f"   -> {ph.actors} actors: {ph.groups_per_s:.3g} groups/s, learner busy {ph.learner_busy:.2f} over {ph.steps} steps", flush=True)
+    print(f"   scaling took {time.monotonic() - t0:.0f}s", flush=True)
+    return phases
+
+
+def scaling_results(phases: Sequence[Phase]) -> list[Result]:
+    """Groups/s with n actors against the first phase; learner busy fraction at the last."""
+    if not phases:
+        return []
+    one, top = phases[0], phases[-1]
+    out = [result(f"scaling_sim_{p.actors}actors", p.groups_per_s, "groups/s", f"{one.actors} actor(s)", one.groups_per_s)
+           for p in phases]
+    out.append(result(f"learner_busy_{top.actors}actors", top.learner_busy, "fraction", "always busy (1.0)", 1.0,
+                      target=2.0, lower_is_better=True))
     return out

@@ -30,11 +30,15 @@ class GroupCost:
     """Per episode: the sum over its turns of generation and env latency."""
     sampled_tokens: int
     turns: tuple[int, ...]
+    lease_s: float = -1.0
+    """Learner clock from the lease's grant to the group's arrival (-1: not logged):
+    what the group really cost its slot, env resets and round trips included."""
 
     @property
     def duration_s(self) -> float:
-        """A group is done when its slowest episode is."""
-        return max(self.episode_s, default=0.0)
+        """The slot time of the group: ``lease_s`` when logged, else its slowest episode's
+        generation + env time (a group is done when its slowest episode is)."""
+        return self.lease_s if self.lease_s >= 0 else max(self.episode_s, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def group_costs(episodes: Iterable[Mapping[str, Any]]) -> list[GroupCost]:
         eps = tuple(sum(float(t.get("gen_latency_s", 0.0)) + float(t.get("env_latency_s", 0.0)) for t in e.get("turns", [])) for e in cur)
         toks = sum(int(t.get("num_tokens", 0)) for e in cur for t in e.get("turns", []))
         out.append(GroupCost(str(cur[0].get("lease_id", "")), int(cur[0].get("data_idx", -1)), bool(cur[0].get("accepted", False)),
-                             eps, toks, tuple(int(e.get("num_turns", len(e.get("turns", [])))) for e in cur)))
+                             eps, toks, tuple(int(e.get("num_turns", len(e.get("turns", [])))) for e in cur),
+                             float(cur[0].get("lease_s", -1.0))))
         cur.clear()
 
     for rec in episodes:
@@ -131,16 +136,34 @@ def summarize(metrics: Sequence[Mapping[str, Any]], trajectories: Sequence[Mappi
     busy_s = sum(float(r.get("perf/step_time_s", 0.0)) for r in inside)
     stale = {int(k): v for k, v in _prefixed_counts(steps, "rollout/staleness/").items() if k.isdigit()}
     dropped = _prefixed_counts(steps, "rollout/dropped/")
-    extra: dict[str, float] = {}
-    for key in ("perf/weight_sync_s", "perf/publish_s", "actors/engine_busy", "actors/weight_sync_s"):
-        vals = [float(r[key]) for r in inside if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        if vals:
-            extra[key] = sum(vals) / len(vals)
     return RunStats(
         steps=int(steps[-1]["step"]), window_s=window, groups_trained=groups, groups_per_s=groups / window,
         tokens_per_s=tokens / window, learner_busy=busy_s / window, step_time_s=busy_s / len(inside),
-        staleness_hist=dict(sorted(stale.items())), dropped=dropped, groups=tuple(group_costs(trajectories)), extra=extra,
+        staleness_hist=dict(sorted(stale.items())), dropped=dropped, groups=tuple(group_costs(trajectories)),
+        extra=actor_figures(start, inside[-1], window),
     )
+
+
+def actor_figures(first: Mapping[str, Any], last: Mapping[str, Any], window_s: float) -> dict[str, float]:
+    """From the summed actor counters the learner logs (``actors/<key>``, see
+    ``learner.metrics.record_actor_stats``) at the window's two ends: the actors' engine
+    busy fraction, and the mean seconds an actor took to pull and load one version."""
+
+    def delta(key: str) -> float | None:
+        a, b = first.get(key), last.get(key)
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not (math.isfinite(a) and math.isfinite(b)):
+            return None
+        return float(b) - float(a)
+
+    out: dict[str, float] = {}
+    n = last.get("actors/count")
+    busy = delta("actors/engine_busy_s")
+    if busy is not None and isinstance(n, (int, float)) and n > 0 and window_s > 0:
+        out["actor_engine_busy"] = max(0.0, busy) / (window_s * n)
+    pulls, pull_s = delta("actors/weight_pulls"), delta("actors/weight_pull_s")
+    if pulls and pull_s is not None and pulls > 0:
+        out["weight_sync_s"] = pull_s / pulls
+    return out
 
 
 def load_run(learner_dir: str | Path, groups_per_step: int, warmup: int = 1) -> RunStats:

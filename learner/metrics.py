@@ -116,6 +116,22 @@ def record_train(m: StepMetrics, train_metrics: Mapping[str, float]) -> None:
             m.add(k if "/" in k else f"loss/{k}", v, "last")
 
 
+def record_actor_stats(m: StepMetrics, stats: Iterable[Mapping[str, float]]) -> None:
+    """Sum of every registered actor's latest heartbeat counters as ``actors/<key>`` (e.g.
+    ``actors/engine_busy_s``, ``actors/weight_pull_s``, ``actors/weight_pulls``) plus
+    ``actors/count``; differences between steps give rates over any window."""
+    totals: dict[str, float] = {}
+    n = 0
+    for st in stats:
+        n += 1
+        for k, v in st.items():
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                totals[k] = totals.get(k, 0.0) + float(v)
+    m.add("actors/count", n, "last")
+    for k, v in totals.items():
+        m.add(f"actors/{k}", v, "last")
+
+
 # ----------------------------------------------------------------------------- loggers
 
 

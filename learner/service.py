@@ -46,7 +46,7 @@ import zmq
 
 from conf.schema import Config
 from learner.leases import LeaseManager
-from learner.metrics import NullLogger, StepMetrics, record_intake, record_train, record_trained
+from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
 from learner.trajlog import NullTrajectoryLog
 from protocol import codec
@@ -301,6 +301,7 @@ class LearnerService:
         m.add("perf/leases_in_flight", self.leases.in_flight, "last")
         m.add("rollout/turn_limit", max(g.turn_limit for g in batch), "last")
         m.add("rollout/trained_groups_total", self.trained_groups, "last")
+        record_actor_stats(m, [a.stats for a in self.actors.values()])
         self._last_step_end = t1
         self.parts.logger.write(self.step, m.reduce())
 
@@ -392,9 +393,12 @@ class LearnerService:
     def _group(self, group: TrajectoryGroup, now: float) -> Any:
         if group.actor_id in self.actors:
             self.actors[group.actor_id].last_seen = now
+        live = self.leases.live.get(group.lease_id)
+        lease_s = now - live.issued_at if live is not None else -1.0
         r = self.leases.intake(group, now)
         record_intake(self.metrics, r.accepted, r.reason)
-        self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason)
+        self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason,
+                                       lease_s=lease_s)
         if r.accepted:
             self.buffer.append(group)
             self._staleness[group.lease_id] = r.staleness

@@ -17,6 +17,7 @@ episodes of one group are consecutive lines.  One line::
       "reward": float, "success": bool,
       "accepted": bool,       whether the group entered training
       "drop_reason": str,     "" when accepted, else unknown_lease | duplicate | expired | mismatch | failed | stale
+      "lease_s": float,       seconds from the lease's grant to the group's arrival (learner clock); -1 if unknown
       "num_turns": int,
       "num_tokens": int,      tokens in the whole stream (prompt, outputs, observations)
       "prompt": str,          the decoded first prompt (system + task); "" without a tokenizer
@@ -47,7 +48,7 @@ Decode = Callable[[list[int]], str]
 
 
 def episode_record(group: TrajectoryGroup, i: int, ep: Episode, *, step: int, version: int, accepted: bool,
-                   drop_reason: str, decode: Decode | None) -> dict[str, Any]:
+                   drop_reason: str, decode: Decode | None, lease_s: float = -1.0) -> dict[str, Any]:
     """The JSON-ready record of one episode (see the module docstring)."""
     ids = np.asarray(ep.token_ids)
     lps = np.asarray(ep.logprobs, dtype=np.float64)
@@ -68,7 +69,7 @@ def episode_record(group: TrajectoryGroup, i: int, ep: Episode, *, step: int, ve
         "split": group.task.split, "category": getattr(ep, "category", ""), "episode": i,
         "group_size": len(group.episodes), "turn_limit": ep.turn_limit, "finish_reason": ep.finish_reason,
         "reward": ep.reward, "success": bool(ep.success), "accepted": accepted, "drop_reason": drop_reason,
-        "num_turns": len(ep.turns), "num_tokens": int(len(ids)),
+        "lease_s": round(float(lease_s), 6), "num_turns": len(ep.turns), "num_tokens": int(len(ids)),
         "prompt": decode(ids[: ep.prompt_len].tolist()) if decode is not None else "",
         "error": ep.error, "turns": turns,
     }
@@ -83,10 +84,11 @@ class TrajectoryLog:
         self.decode = decode
         self._f = open(self.path, "a", encoding="utf-8")
 
-    def write_group(self, group: TrajectoryGroup, *, step: int, version: int, accepted: bool, drop_reason: str = "") -> None:
+    def write_group(self, group: TrajectoryGroup, *, step: int, version: int, accepted: bool, drop_reason: str = "",
+                    lease_s: float = -1.0) -> None:
         for i, ep in enumerate(group.episodes):
             rec = episode_record(group, i, ep, step=step, version=version, accepted=accepted,
-                                 drop_reason=drop_reason, decode=self.decode)
+                                 drop_reason=drop_reason, decode=self.decode, lease_s=lease_s)
             self._f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self._f.flush()
 

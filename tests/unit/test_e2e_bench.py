@@ -31,6 +31,12 @@ def test_group_cost_is_the_slowest_episode_of_the_group():
     assert g2.lease_id == "l2" and not g2.accepted and g2.duration_s == pytest.approx(0.1)
 
 
+def test_group_cost_is_the_lease_wall_time_when_the_learner_logged_it():
+    recs = [{**_episode("l1", 0, [(0.1, 0.2, 5)]), "lease_s": 0.9}, {**_episode("l1", 1, [(0.5, 0.5, 7)]), "lease_s": 0.9}]
+    (g,) = group_costs(recs)
+    assert g.lease_s == 0.9 and g.duration_s == 0.9 and g.episode_s == pytest.approx((0.3, 1.0))
+
+
 def _metrics(times: list[float], gps: int = 2) -> list[dict]:
     out = []
     for i, t in enumerate(times, start=1):
@@ -94,3 +100,58 @@ def test_default_flags_parse_and_size_the_comparison():
     assert args.e2e_actors == 4 and args.e2e_staleness == 2 and args.e2e_scaling == "1,2,4,8"
     args = p.parse_args(["--e2e-steps", "3", "--e2e-parts", "sim"])
     assert args.e2e_steps == 3 and args.e2e_parts == "sim"
+
+
+def test_actor_engine_busy_and_weight_sync_come_from_the_logged_actor_counters():
+    m = _metrics([10.0, 12.0, 14.0])
+    m[0].update({"actors/count": 2, "actors/engine_busy_s": 5.0, "actors/weight_pulls": 2, "actors/weight_pull_s": 0.2})
+    m[2].update({"actors/count": 2, "actors/engine_busy_s": 8.0, "actors/weight_pulls": 6, "actors/weight_pull_s": 0.6})
+    s = summarize(m, [], groups_per_step=2)
+    assert s.extra["actor_engine_busy"] == pytest.approx(3.0 / (4.0 * 2))
+    assert s.extra["weight_sync_s"] == pytest.approx(0.1)
+    assert summarize(_metrics([1.0, 2.0]), [], groups_per_step=2).extra == {}
+
+
+def test_learner_logs_the_sum_of_actor_counters():
+    from learner.metrics import StepMetrics, record_actor_stats
+
+    m = StepMetrics()
+    record_actor_stats(m, [{"engine_busy_s": 1.5, "weight_pulls": 2.0}, {"engine_busy_s": 0.5, "bad": float("nan")}])
+    out = m.reduce()
+    assert out == {"actors/count": 2.0, "actors/engine_busy_s": 2.0, "actors/weight_pulls": 2.0}
+
+
+def test_trajectory_log_carries_the_lease_wall_time(tmp_path: Path):
+    from learner.trajlog import TrajectoryLog
+    from protocol.messages import Lease
+    from tests.unit.fakes import make_group, task
+
+    lease = Lease(lease_id="l-1", task=task(3), group_size=2, turn_limit=10, policy_version=0, ttl_s=60.0, seed=1)
+    log = TrajectoryLog(str(tmp_path))
+    log.write_group(make_group(lease), step=0, version=0, accepted=True, lease_s=1.25)
+    log.write_group(make_group(lease), step=0, version=0, accepted=False, drop_reason="duplicate")
+    log.close()
+    recs = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert [r["lease_s"] for r in recs] == [1.25, 1.25, -1.0, -1.0]
+    g1, g2 = group_costs(recs)
+    assert g1.duration_s == 1.25 and g1.accepted and not g2.accepted
+
+
+def test_scaling_phase_rates_use_only_steps_with_that_many_actors():
+    recs = [{"step": i + 1, "time": t, "actors/count": n, "perf/step_time_s": 0.2}
+            for i, (t, n) in enumerate([(0, 1), (6, 1), (12, 1), (18, 1), (20, 2), (23, 2), (26, 2)])]
+    one = e2e.phase_figures(recs, 1, groups_per_step=2, warmup=1)
+    assert one.steps == 3 and one.window_s == 18 and one.groups_per_s == pytest.approx(6 / 18)
+    assert one.learner_busy == pytest.approx(0.6 / 18)
+    two = e2e.phase_figures(recs, 2, groups_per_step=2, warmup=1)
+    assert two.steps == 2 and two.groups_per_s == pytest.approx(4 / 6)
+    assert e2e.phase_figures(recs, 4, groups_per_step=2, warmup=1) is None
+    assert e2e.phase_figures(recs[:5], 2, groups_per_step=2, warmup=1) is None  # only the warm-up step so far
+    # settling: the window starts at the first step >= 5 s after the phase began (t=26)
+    settled = e2e.phase_figures(recs, 2, groups_per_step=2, warmup=1, settle_s=5.0)
+    assert settled is None
+    settled = e2e.phase_figures(recs + [{"step": 8, "time": 30, "actors/count": 2}], 2, groups_per_step=2, warmup=1, settle_s=5.0)
+    assert settled.steps == 1 and settled.window_s == 4
+    (a, b, busy) = e2e.scaling_results([one, two])
+    assert (a.name, a.ratio) == ("scaling_sim_1actors", 1.0) and b.ratio == pytest.approx(2.0)
+    assert busy.name == "learner_busy_2actors" and busy.target == 2.0 and busy.ok

@@ -10,7 +10,7 @@ from learner.trajlog import TrajectoryLog
 from tests.unit.fakes import make_group
 
 TRAJ_KEYS = {"step", "version", "lease_id", "actor_id", "env", "data_idx", "task_id", "split", "category", "episode",
-             "group_size", "turn_limit", "finish_reason", "reward", "success", "accepted", "drop_reason", "num_turns",
+             "group_size", "turn_limit", "finish_reason", "reward", "success", "accepted", "drop_reason", "lease_s", "num_turns",
              "num_tokens", "prompt", "error", "turns"}
 TURN_KEYS = {"index", "output_text", "action", "parse_error", "observation", "reward", "done", "policy_version",
              "gen_latency_s", "env_latency_s", "num_tokens", "logprob_mean", "logprob_min"}
