@@ -68,8 +68,13 @@ def corpus():
     from actors.prompts import INSTRUCTIONS
     from actors.sim_engine import RESPONSES
 
+    import random
+
+    rng = random.Random(0)
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"]
     base = list(INSTRUCTIONS.values()) + list(RESPONSES) + [ACTION_LINE_HINT, TAGS_HINT, BACKTICKS_HINT]
-    return [f"{t} {i}" for i in range(20) for t in base]
+    words = [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(9)) for _ in range(1500)]
+    return [f"{t} {i}" for i in range(20) for t in base] + words
 
 
 def run(args: argparse.Namespace) -> list[Result]:
