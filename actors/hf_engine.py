@@ -239,7 +239,7 @@ class HFEngine(ThreadedEngine):
         temp = torch.tensor([s.temperature for s in params], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.top_k for s in params], dtype=torch.long, device=dev)
         top_p = torch.tensor([s.top_p for s in params], dtype=torch.float32, device=dev)
-        u = torch.tensor([1.0 - r.rng.random() for r in rows], dtype=torch.float64, device=dev)
+        u = torch.tensor([1.0 - r.rng.random() for r in rows], dtype=torch.float32, device=dev)  # (0, 1]
         ids, lps = sample_tokens(logits, temp, top_k, top_p, u)
         ids_l, lps_l = ids.tolist(), lps.tolist()
         done = []
