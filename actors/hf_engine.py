@@ -148,6 +148,8 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     total_len: int = 0
     """Prompt + generated tokens (the next position id is ``total_len - 1`` for ``last``)."""
+    kv_version: int = 0
+    """Weights version at admission; the row's KV is reusable only if no swap happened since."""
 
 
 class HFEngine(ThreadedEngine):
@@ -198,6 +200,7 @@ class HFEngine(ThreadedEngine):
                     max_new=min(s.max_new_tokens, self.max_positions - len(p.req.prompt_ids)),
                     rng=np.random.default_rng(p.req.seed),
                     total_len=len(p.req.prompt_ids),
+                    kv_version=self._version,
                 )
             )
         prompts = [np.asarray(p.req.prompt_ids, dtype=np.int64) for p in joiners]
@@ -340,6 +343,8 @@ class HFEngine(ThreadedEngine):
         kv = _cache_tensors(self._cache)
         for i in idx:
             r = self._rows[i]
+            if r.kv_version != self._version:  # an in-flight swap: part of its KV is old weights'
+                continue
             cols = self._mask[i].nonzero().squeeze(-1)
             tokens = np.concatenate([np.asarray(r.p.req.prompt_ids, dtype=np.int64), np.asarray(r.ids[:-1], dtype=np.int64)])
             if len(cols) != len(tokens):  # never expected; reuse must be exact or nothing
