@@ -78,6 +78,7 @@ class Renderer:
     def __init__(self, tokenizer: Any, fmt: ChatFormat | None, *, check: bool = True) -> None:
         self.tokenizer = tokenizer
         self._memo: collections.OrderedDict[tuple, str] = collections.OrderedDict()
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.fmt = fmt
         self.check = check
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -120,6 +121,8 @@ class Renderer:
 
     def encode(self, text: str) -> list[int]:
         """Text (special tokens included) -> ids, without the tokenizer adding anything."""
+        if self._backend is not None:  # the fast tokenizer's own pipeline, minus the wrapper's overhead
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def template_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
