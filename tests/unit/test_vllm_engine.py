@@ -187,3 +187,20 @@ def test_real_vllm_logprobs_match_a_teacher_forced_forward(tiny_model_dir):
         assert np.abs(ref - res.logprobs).max() < 1e-3
     finally:
         eng.close()
+
+
+def test_failed_weight_swap_keeps_serving_the_old_version():
+    llm = FakeLLM()
+
+    def broken(fn, args=()):
+        raise RuntimeError("worker says no")
+
+    llm.collective_rpc = broken
+    eng = VLLMEngine(EngineConfig(name="vllm", max_batch=2), "unused", llm=llm, vllm_api=FAKE_API)
+    try:
+        eng.load_weights(7, {"lm_head.weight": "W"})
+        res = trio.run(lambda: eng.generate(GenerateRequest([1], SamplingParams(max_new_tokens=2))))
+        assert res.policy_version == 0 and eng.version == 0
+        assert eng.stats()["weight_load_errors"] == 1 and "worker says no" in eng.last_weight_error
+    finally:
+        eng.close()
