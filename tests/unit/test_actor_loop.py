@@ -22,15 +22,27 @@ class FakeEngine:
         self.version = version
 
     def stats(self):
-        return {"engine_busy": 0.5}
+        return {"engine_busy": 0.5, "tokens_generated": 10.0 * len(self.loaded)}
 
     def close(self):
         self.closed = True
 
 
+class CaptureLogger:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, step, metrics):
+        self.rows.append((step, metrics))
+
+    def close(self):
+        pass
+
+
 class FakeEnvClient:
-    def __init__(self, fail_steps=()):
+    def __init__(self, fail_steps=(), step_s=0.001):
         self.n = 0
+        self.step_s = step_s
         self.created, self.closed, self.resets, self.steps = [], [], 0, 0
         self.fail_steps = set(fail_steps)
 
@@ -45,7 +57,7 @@ class FakeEnvClient:
 
     async def step(self, env_id, action):
         self.steps += 1
-        await trio.sleep(0.001)
+        await trio.sleep(self.step_s)
         if self.steps in self.fail_steps:
             raise ConnectionError("env server hiccup")
         return {"observation": "ok", "reward": 1.0, "done": True}
@@ -84,11 +96,11 @@ def make_actor(cfg, env_client, engine):
 
 
 def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
-    cfg = make_cfg(**{"learner.steps": 4, "learner.max_staleness": 1, "actor.max_groups": 2, "learner.heartbeat_interval_s": 0.2})
+    cfg = make_cfg(**{"learner.steps": 4, "learner.max_staleness": 1, "actor.max_groups": 2, "learner.heartbeat_interval_s": 0.05})
     trainer, pub = FakeTrainer(), FakePublisher()
     svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule()))
     svc.linger_s, svc.announce_every_s = 0.5, 0.2
-    env, engine = FakeEnvClient(fail_steps={3}), FakeEngine()
+    env, engine = FakeEnvClient(fail_steps={3}, step_s=0.2), FakeEngine()  # slower than a heartbeat
     actor = make_actor(cfg, env, engine)
 
     async def main():
@@ -100,7 +112,10 @@ def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
                 assert rc == 0
         return rc
 
+    svc.parts.logger = logger = CaptureLogger()
     trio.run(main)
+    assert [st for st, _ in logger.rows] == [1, 2, 3, 4]
+    assert any(m.get("perf/actor_engine_busy") == 0.5 for _, m in logger.rows)  # from heartbeats
     assert trainer.step == 4 and len(trainer.trained) == 8 == len(set(trainer.trained))
     assert engine.loaded[0] == 0 and engine.loaded[-1] >= 3  # pulled new versions mid-run
     assert engine.closed
