@@ -1,0 +1,35 @@
+"""Two CPU ranks (torchrun + gloo on 127.0.0.1), each training on half of every batch, end
+with the same weights as one process training on whole batches: the loss normaliser is
+the all-reduced token count, so accumulated, rank-averaged gradients equal one batch's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from learner.synthetic import build_tiny_model
+from learner.trainer import Trainer
+from protocol.transport import free_port
+from tests.integration import ddp_worker
+
+
+def test_two_ranks_on_half_batches_equal_one_process_on_whole_batches(tmp_path):
+    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
+    out = tmp_path / "ddp.pt"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), os.path.join(os.path.dirname(__file__), "ddp_worker.py"), model_dir, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    single = Trainer(ddp_worker.config(), model_dir)
+    for groups in ddp_worker.batches(2):
+        single.train_step(groups)
+    want = single.state_dict_for_publish("float32")
+    got = torch.load(out, weights_only=True)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
