@@ -109,6 +109,7 @@ class HFEngine(ThreadedEngine):
         self._rows: list[_Row] = []
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x renamed it
+        self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._cache: Any = None
         self._mask: torch.Tensor | None = None
         self._start()
@@ -147,16 +148,14 @@ class HFEngine(ThreadedEngine):
             ids[i, width - n :] = torch.as_tensor(list(r.p.req.prompt_ids), dtype=torch.long)
             mask[i, width - n :] = 1
         pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
+        cache = _new_cache(self.model.config)
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device),
             use_cache=True,
-            logits_to_keep=1,
             **{self._cache_kw: cache},
+            **self._keep_last,
         )
         self._merge(rows, cache, mask.to(self.device))
         return self._sample(rows, out.logits[:, -1, :])
@@ -209,11 +208,9 @@ class HFEngine(ThreadedEngine):
         if self._cache is None or not self._rows:
             self._rows, self._cache, self._mask = list(rows), cache, mask
             return
-        old_w, new_w = self._mask.shape[1], mask.shape[1]
-        width = max(old_w, new_w)
-        for old_layer, new_layer in zip(self._cache.layers, cache.layers):
-            old_layer.keys = torch.cat([_left_pad(old_layer.keys, width), _left_pad(new_layer.keys, width)], dim=0)
-            old_layer.values = torch.cat([_left_pad(old_layer.values, width), _left_pad(new_layer.values, width)], dim=0)
+        width = max(self._mask.shape[1], mask.shape[1])
+        new_kv = _cache_tensors(cache)
+        _map_cache(self._cache, lambda i, kind, x: torch.cat([_left_pad(x, width), _left_pad(new_kv[i][kind], width)], dim=0))
         self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)], dim=0)
         self._rows = self._rows + list(rows)
 
@@ -227,9 +224,7 @@ class HFEngine(ThreadedEngine):
         sel = torch.tensor(idx, dtype=torch.long, device=self.device)
         mask = self._mask.index_select(0, sel)
         first = int(mask.any(dim=0).nonzero()[0, 0]) if bool(mask.any()) else 0
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, sel)[:, :, first:, :]
-            layer.values = layer.values.index_select(0, sel)[:, :, first:, :]
+        _map_cache(self._cache, lambda i, kind, x: x.index_select(0, sel)[:, :, first:, :])
         self._mask = mask[:, first:]
         self._rows = [self._rows[i] for i in idx]
 
@@ -239,10 +234,10 @@ class HFEngine(ThreadedEngine):
         temp = torch.tensor([s.temperature for s in params], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.top_k for s in params], dtype=torch.long, device=dev)
         top_p = torch.tensor([s.top_p for s in params], dtype=torch.float32, device=dev)
-        u = torch.tensor([1.0 - r.rng.random() for r in rows], dtype=torch.float64, device=dev)
+        u = torch.tensor([1.0 - r.rng.random() for r in rows], dtype=torch.float32, device=dev)  # (0, 1]
         ids, lps = sample_tokens(logits, temp, top_k, top_p, u)
         ids_l, lps_l = ids.tolist(), lps.tolist()
-        done, keep = [], []
+        done = []
         version = self._version
         for i, r in enumerate(rows):
             tok = ids_l[i]
@@ -255,10 +250,9 @@ class HFEngine(ThreadedEngine):
                 done.append((r.p, self._result(r, FINISH_STOP)))
             elif len(r.ids) >= r.max_new or r.total_len >= self.max_positions:
                 done.append((r.p, self._result(r, FINISH_LENGTH)))
-            else:
-                keep.append(i)
-        if done:
-            self._keep(keep)
+        if done:  # ``rows`` may be only the joiners: remove by identity from the whole batch
+            gone = {p.rid for p, _ in done}
+            self._keep([i for i, r in enumerate(self._rows) if r.p.rid not in gone])
         return done
 
     def _result(self, r: _Row, reason: str) -> GenerateResult:
@@ -271,6 +265,32 @@ class HFEngine(ThreadedEngine):
             latency_s=time.monotonic() - r.p.submitted,
             token_versions=versions,
         )
+
+
+def _new_cache(config: Any) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # transformers < 4.56
+        return DynamicCache()
+
+
+def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values)``, each ``[B, H, S, D]`` (``.layers`` API or the older lists)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def _map_cache(cache: Any, fn: Any) -> None:
+    """Replace every cached tensor ``x`` of layer ``i`` by ``fn(i, kind, x)`` (kind 0: keys, 1: values)."""
+    if hasattr(cache, "layers"):
+        for i, layer in enumerate(cache.layers):
+            layer.keys, layer.values = fn(i, 0, layer.keys), fn(i, 1, layer.values)
+    else:
+        cache.key_cache = [fn(i, 0, k) for i, k in enumerate(cache.key_cache)]
+        cache.value_cache = [fn(i, 1, v) for i, v in enumerate(cache.value_cache)]
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
