@@ -207,3 +207,41 @@ def test_actor_abandons_leases_the_learner_no_longer_holds():
     trio.run(main)
     assert actor.stats.groups_abandoned == 1
     assert trainer.step == 1 and len(trainer.trained) == 2  # the re-issued task was played by a new lease
+
+
+def test_killed_actor_loses_nothing_its_leases_expire_and_are_reissued():
+    cfg = make_cfg(**{"learner.steps": 3, "learner.max_staleness": 1, "actor.max_groups": 2,
+                      "learner.heartbeat_interval_s": 0.1, "learner.lease_ttl_s": 1.0})
+    trainer = FakeTrainer()
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.3, 0.2
+    doomed = make_actor(cfg, FakeEnvClient(step_s=60), FakeEngine())  # never finishes a group
+    doomed.actor_id = "doomed"
+    survivor = make_actor(cfg, FakeEnvClient(), FakeEngine())
+    held: list = []
+
+    async def main2():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                kill = trio.CancelScope()
+
+                async def doomed_run():
+                    with kill:
+                        await doomed.run()
+
+                n.start_soon(doomed_run)
+                while doomed.stats.leases_received < 2:
+                    await trio.sleep(0.01)
+                held.extend(r.lease.task for r in svc.leases.live.values() if r.actor_id == "doomed")
+                kill.cancel()  # like SIGKILL: no goodbye, no more heartbeats
+                while svc.leases.in_flight:  # its leases expire after lease_ttl_s without heartbeats
+                    await trio.sleep(0.05)
+                n.start_soon(survivor.run)
+
+    trio.run(main2)
+    assert len(held) == 2
+    assert trainer.step == 3 and len(trainer.trained) == 6 == len(set(trainer.trained))
+    assert all(t in trainer.tasks for t in held)  # the dead actor's tasks were re-issued and trained
+    assert doomed.stats.groups_sent == 0

@@ -33,9 +33,11 @@ class FakeTrainer:
     def __init__(self):
         self.step = 0
         self.trained: list[str] = []
+        self.tasks: list = []
 
     def train_step(self, groups):
         self.trained += [g.lease_id for g in groups]
+        self.tasks += [g.task for g in groups]
         self.step += 1
         return {"loss/pg": 0.1 * self.step, "grad_norm": 1.0}
 
