@@ -202,12 +202,15 @@ class Actor:
         backoff = 0.2
         while not self.stopping:
             lost: BaseException | None = None
+            sessions = self.stats.sessions
             try:
                 await self._session()
             except* LearnerLost as eg:
                 lost = eg.exceptions[0]
             if lost is None or self.stopping:
                 return  # graceful end
+            if self.stats.sessions > sessions:
+                backoff = 0.2  # it was registered: start the backoff afresh
             log.warning("learner lost (%s); reconnecting in %.1fs", lost, backoff)
             with trio.move_on_after(backoff):
                 while not self.stopping:
