@@ -239,10 +239,10 @@ class HFEngine(ThreadedEngine):
         temp = torch.tensor([s.temperature for s in params], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.top_k for s in params], dtype=torch.long, device=dev)
         top_p = torch.tensor([s.top_p for s in params], dtype=torch.float32, device=dev)
-        u = torch.tensor([1.0 - r.rng.random() for r in rows], dtype=torch.float64, device=dev)
+        u = torch.tensor([1.0 - r.rng.random() for r in rows], dtype=torch.float32, device=dev)  # (0, 1]
         ids, lps = sample_tokens(logits, temp, top_k, top_p, u)
         ids_l, lps_l = ids.tolist(), lps.tolist()
-        done, keep = [], []
+        done = []
         version = self._version
         for i, r in enumerate(rows):
             tok = ids_l[i]
@@ -255,10 +255,9 @@ class HFEngine(ThreadedEngine):
                 done.append((r.p, self._result(r, FINISH_STOP)))
             elif len(r.ids) >= r.max_new or r.total_len >= self.max_positions:
                 done.append((r.p, self._result(r, FINISH_LENGTH)))
-            else:
-                keep.append(i)
-        if done:
-            self._keep(keep)
+        if done:  # ``rows`` may be only the joiners: remove by identity from the whole batch
+            gone = {p.rid for p, _ in done}
+            self._keep([i for i, r in enumerate(self._rows) if r.p.rid not in gone])
         return done
 
     def _result(self, r: _Row, reason: str) -> GenerateResult:

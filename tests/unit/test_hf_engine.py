@@ -206,3 +206,31 @@ def test_close_aborts_running_requests_and_refuses_new_ones(tiny_model_dir):
         trio.run(lambda: eng.generate(GenerateRequest(p[0], SamplingParams())))
     with pytest.raises(EngineError, match="empty prompt"):
         trio.run(lambda: eng.generate(GenerateRequest([], SamplingParams())))
+
+
+def test_joiner_finishing_on_its_first_token_leaves_the_others_running(engine):
+    ps = prompts(4, seed=12)
+    out = {}
+
+    async def one(k, prompt, n):
+        out[k] = await engine.generate(GenerateRequest(prompt, SamplingParams(top_k=1, max_new_tokens=n)))
+
+    async def main():
+        with trio.fail_after(60):  # the bug this guards against lost requests (a hang)
+            await play()
+
+    async def play():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "long0", ps[0], 30)
+            nursery.start_soon(one, "long1", ps[1], 30)
+            await wait_for(lambda: engine.stats()["decode_steps"] >= 3)
+            for k in range(6):  # one-token joiners, alone and together, mid-batch
+                nursery.start_soon(one, f"short{k}", ps[2 + k % 2], 1)
+                if k % 2:
+                    await trio.sleep(0.002)
+
+    trio.run(main)
+    assert len(out["long0"].token_ids) == 30 and len(out["long1"].token_ids) == 30
+    assert all(len(out[f"short{k}"].token_ids) == 1 for k in range(6))
+    _, ref = teacher_forced(engine.model, ps[1], out["long1"].token_ids, 1.0)
+    assert np.abs(ref.numpy() - out["long1"].logprobs).max() < 1e-4
