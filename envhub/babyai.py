@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -98,6 +99,18 @@ DESCRIBED = ("door", "key", "ball", "box", "goal", "lava")
 CHECK = "check available actions"
 
 
+_STDOUT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Swallow what minigrid prints (level generation retries).  ``sys.stdout`` is process
+    global, so swaps are serialised: unlocked, two threads' nested swaps can leave stdout
+    pointing at a dead buffer.  (The envhub server also sends fd 1 to stderr.)"""
+    with _STDOUT_LOCK, contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
 def task_for(data_idx: int) -> tuple[str, int]:
     """``data_idx`` -> (level name, seed)."""
     if data_idx < 0:
@@ -150,20 +163,47 @@ def _is_passable(cell: Any) -> bool:
     return cell is None or cell.type in ("goal", "floor") or (cell.type == "door" and cell.is_open)
 
 
-def scan_view(u: Any) -> View:
-    """Read the agent's partial view from the unwrapped minigrid env ``u`` (pure w.r.t. ``u``)."""
-    grid, vis = u.gen_obs_grid()
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One decoded cell of the agent's encoded view (minigrid's ``(type, color, state)``)."""
+
+    type: str
+    color: str
+    is_open: bool
+    is_locked: bool
+
+
+_OBJECTS = ("unseen", "empty", "wall", "floor", "door", "key", "ball", "box", "goal", "lava", "agent")
+_COLORS = ("red", "green", "blue", "purple", "yellow", "grey")
+_CELLS: dict[tuple[int, int, int], Cell] = {}
+
+
+def _cell(t: int, c: int, state: int) -> Cell:
+    key = (t, c, state)
+    if key not in _CELLS:
+        _CELLS[key] = Cell(_OBJECTS[t], _COLORS[c], state == 0, state == 2)
+    return _CELLS[key]
+
+
+def scan_view(u: Any, image: Any = None) -> View:
+    """Read the agent's partial view: ``image`` is minigrid's encoded observation (``obs
+    ["image"]``, unseen cells type 0) as the last step returned it; without it the view is
+    encoded from the unwrapped env ``u``.  Pure w.r.t. ``u``."""
+    if image is None:
+        image = u.gen_obs()["image"]
     vs = u.agent_view_size
     ai, aj = vs // 2, vs - 1
     fx, fy = (int(v) for v in u.dir_vec)
     rx, ry = (int(v) for v in u.right_vec)
     px, py = (int(v) for v in u.agent_pos)
+    codes = image.tolist()  # [i][j] -> [type, color, state]
     passable, found = set(), []
     for j in range(vs):
         for i in range(vs):
-            if not vis[i, j] or (i, j) == (ai, aj):
+            t, c, st = codes[i][j]
+            if t == 0 or (i, j) == (ai, aj):
                 continue
-            cell = grid.get(i, j)
+            cell = None if t == 1 else _cell(t, c, st)
             if _is_passable(cell):
                 passable.add((i, j))
             if cell is not None and cell.type in DESCRIBED:
@@ -179,9 +219,10 @@ def scan_view(u: Any) -> View:
         objects.append(SeenObject(name, cell.type, cell.color, counts[name], (i, j), front, right, abs_pos))
     ahead = None
     for j in range(aj - 1, -1, -1):
-        if not vis[ai, j]:
+        t, c, st = codes[ai][j]
+        if t == 0:
             break
-        cell = grid.get(ai, j)
+        cell = None if t == 1 else _cell(t, c, st)
         if not _is_passable(cell):
             ahead = ("wall" if cell.type == "wall" else _obj_name(cell), aj - j)
             break
@@ -246,10 +287,21 @@ def describe(view: View) -> str:
     return " ".join(parts)
 
 
+_find_path = find_path
+
+
 def compile_actions(view: View) -> tuple[dict[str, list[int]], dict[str, str]]:
     """(available action text -> primitives, unavailable action text -> why), AgentGym order."""
     ok: dict[str, list[int]] = {"turn left": [LEFT], "turn right": [RIGHT]}
     why: dict[str, str] = {}
+    paths: dict[tuple[tuple[int, int], bool], list[int] | None] = {}
+
+    def find_path(view: View, cell: tuple[int, int], *, arrive: bool) -> list[int] | None:
+        key = (cell, arrive)
+        if key not in paths:
+            paths[key] = _find_path(view, cell, arrive=arrive)
+        return None if paths[key] is None else list(paths[key])
+
     fwd = view.front_cell
     if _is_passable(fwd):
         ok["move forward"] = [FORWARD]
@@ -368,17 +420,17 @@ class BabyAIEnv:
         self.level, self.seed = task_for(data_idx)
         self._oracle, self.on_primitive = None, None
         self.env = self._make(self.level)
-        with contextlib.redirect_stdout(io.StringIO()):  # some levels print while generating
-            self.env.reset(seed=self.seed)
+        with quiet_stdout():  # some levels print while generating
+            obs, _ = self.env.reset(seed=self.seed)
         self.mission = self.unwrapped.mission
         self.ret, self.done = 0.0, False
-        self._look()
+        self._look(obs["image"])
         self.obs_text = f"Your goal: {self.mission}\n{describe(self.view)}\n{format_actions(self.actions)}"
         info = {"category": self.level, "level": self.level, "seed": self.seed, "mission": self.mission, "max_steps": self.unwrapped.max_steps}
         return ResetResult(self.obs_text, info, {"score": 0.0, "deleted": False})
 
-    def _look(self) -> None:
-        self.view = scan_view(self.unwrapped)
+    def _look(self, image: Any = None) -> None:
+        self.view = scan_view(self.unwrapped, image)
         self.actions, self.why = compile_actions(self.view)
 
     def step(self, action: str) -> StepResult:
@@ -389,14 +441,15 @@ class BabyAIEnv:
         if act == CHECK or act.startswith("check"):
             text = "You can take the following actions: " + ", ".join(self.actions)
         elif act in self.actions:
+            obs = None
             for prim in self.actions[act]:
-                _, r, terminated, truncated, _ = self.env.step(prim)
+                obs, r, terminated, truncated, _ = self.env.step(prim)
                 reward += float(r)
                 if self.on_primitive is not None:
                     self.on_primitive(prim)
                 if terminated or truncated:
                     break
-            self._look()
+            self._look(obs["image"])
             text = describe(self.view)
         else:
             valid = False

@@ -26,13 +26,11 @@ e.g. OpenDoorsOrderN4Debug seed 0 fails for every agent.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import re
 from dataclasses import dataclass
 
-from envhub.babyai import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, BabyAIEnv
+from envhub.babyai import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, BabyAIEnv, quiet_stdout
 
 _VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid DIR_TO_VEC
 MOVES = (LEFT, RIGHT, FORWARD)
@@ -71,10 +69,11 @@ class BabyAIOracle:
 
     def _replan(self, bot, action):
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with quiet_stdout():
                 return int(bot.replan(action))
         except Exception as exc:  # the bot gives up (e.g. DisappearedBoxError)
-            self.failed = f"{type(exc).__name__}: {exc}"
+            if bot is self.bot:  # a copy failing only rules out that plan
+                self.failed = f"{type(exc).__name__}: {exc}"
             return None
 
     def _observe(self, prim: int) -> None:
@@ -130,7 +129,7 @@ class BabyAIOracle:
         by_pos = {o.abs_pos: o for o in env.view.objects}
         target = by_pos.get(plan.target) if plan.target is not None else None
         here = len(plan.states) == 1
-        pick = None
+        pick, expect = None, None
         if plan.event == "pickup" and target is not None:
             pick = f"pickup {target.name} {target.k}"
         elif plan.event == "drop" and here:
@@ -139,13 +138,15 @@ class BabyAIOracle:
             through = f"toggle and go through {target.name} {target.k}"
             if target.kind == "door" and plan.walks_through and through in env.actions:
                 pick = through
+            elif here:
+                pick = "toggle"
             else:
-                pick = "toggle" if here else f"go to {target.name} {target.k}"
+                pick, expect = f"go to {target.name} {target.k}", TOGGLE
         elif plan.event == "success" and target is not None:
-            pick = f"go to {target.name} {target.k}"
+            pick, expect = f"go to {target.name} {target.k}", "success"
         if pick is not None and pick in env.actions:
             for share in (True, False):
-                if self._accepts(env.actions[pick], share):
+                if self._accepts(env.actions[pick], share, expect):
                     if share:
                         self._share_knowledge(self.bot)
                     return pick
@@ -199,11 +200,10 @@ class BabyAIOracle:
             if bot is self.bot:
                 self.suggest = suggest
 
-    def _accepts(self, prims: list[int], share: bool) -> bool:
-        """Would the bot agree with every interaction of ``prims`` at the moment it happens?
+    def _accepts(self, prims: list[int], share: bool, expect: int | str | None = None) -> bool:
+        """Would the bot agree with every interaction of ``prims`` at the moment it happens
+        (and, with ``expect``, end up suggesting that primitive or have completed the mission)?
         Checked on a copy; the live bot then goes through the same (deterministic) replans."""
-        if not any(p in (PICKUP, DROP, TOGGLE) for p in prims):
-            return True
         u2, bot2 = copy.deepcopy((self.env.unwrapped, self.bot))
         failed, suggest = self.failed, self.suggest
         try:
@@ -216,13 +216,13 @@ class BabyAIOracle:
                     return False
                 if p == FORWARD and prims[-2:] == [TOGGLE, FORWARD] and suggest != FORWARD:
                     return False
-                _, _, term, trunc, _ = u2.step(p)
+                _, r, term, trunc, _ = u2.step(p)
                 if term or trunc:
-                    return True
+                    return bool(r > 0) or expect is None
                 suggest = self._replan(bot2, p)
                 if suggest is None:
                     return False
-            return True
+            return expect is None or suggest == expect
         finally:
             self.failed = failed
 

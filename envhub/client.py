@@ -9,6 +9,9 @@ idempotent ones (``reset``, ``observation``, ``close``, ``health``) are re-sent.
 raises ``EnvTimeout`` and is not retried.  HTTP errors raise ``EnvHTTPError`` (404:
 ``EnvNotFound``), also for AgentGym's HTTP-200 ``{"error": "..."}`` bodies.
 
+``expert_action(env_id)`` asks an envhub server for the env's expert move (``GET /expert``;
+BabyAI's oracle), for warm starts.
+
 Flavors (what the server speaks):
 - ``turnscale``: our envhub servers.
 - ``agentgym``: AgentGym's BabyAI / TextCraft / SciWorld servers (``id``-keyed).  Reward is

@@ -85,6 +85,8 @@ class InstanceTable:
         self.gone: collections.OrderedDict[int, str] = collections.OrderedDict()
         """Recently closed/expired ids -> ``closed`` | ``expired`` (bounded)."""
         self.next_id = 0
+        self.pending_creates = 0
+        """Creations awaiting ``family.create`` (they count against the limit)."""
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
@@ -150,16 +152,19 @@ class InstanceTable:
 
     # -- operations ------------------------------------------------------------------
     async def create(self) -> int:
-        if len(self.instances) >= self.max_instances:
+        if len(self.instances) + self.pending_creates >= self.max_instances:
             self.errors["too_many_instances"] += 1
             raise ApiError(429, "too_many_instances", f"instance limit reached ({self.max_instances}); close unused instances or raise env.max_instances")
         env_id = self.next_id
         self.next_id += 1
+        self.pending_creates += 1
         try:
             env = await self._call(self.family.create)
         except Exception as exc:
             log.exception("creating an env instance failed")
             raise ApiError(500, "env_error", f"creating an env instance failed ({type(exc).__name__}); see the server log") from None
+        finally:
+            self.pending_creates -= 1
         self.instances[env_id] = Instance(env_id, env)
         self.counters["created"] += 1
         return env_id

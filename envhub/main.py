@@ -17,14 +17,18 @@ SHORTHANDS = {"host": "env.host", "port": "env.port"}
 
 
 def rewrite_overrides(argv: list[str]) -> list[str]:
-    """``host=X`` -> ``++env.host=X``, ``port=N`` -> ``++env.port=N`` (``++``: set whether or not
-    the env yaml names the key)."""
+    """``host=X`` -> ``++env.host=X``, ``port=N`` -> ``++env.port=N``, ``env.K=V`` ->
+    ``++env.K=V``: ``++`` sets a key whether or not the env's yaml names it (Hydra refuses a
+    plain override of a schema key the yaml lacks); a misspelled key is still refused by the
+    typed schema, naming the key."""
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        bare = key.lstrip("+")
-        if sep and bare in SHORTHANDS:
+        bare = key.lstrip("+~")
+        if sep and key == bare and bare in SHORTHANDS:
             arg = f"++{SHORTHANDS[bare]}={value}"
+        elif sep and key == bare and bare.startswith("env."):
+            arg = f"++{bare}={value}"
         out.append(arg)
     return out
 

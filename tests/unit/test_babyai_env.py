@@ -98,3 +98,17 @@ def test_find_path_never_crosses_unseen_or_blocked_cells():
     view = _view({(3, 5)})
     assert find_path(view, (3, 3), arrive=True) is None
     assert find_path(view, (2, 6), arrive=False) == [0]
+
+
+def test_concurrent_resets_leave_stdout_alone():
+    import sys
+    import threading
+
+    before = sys.stdout
+    envs = [BabyAIEnv() for _ in range(4)]
+    threads = [threading.Thread(target=lambda e=e, k=k: [e.reset(22 + 40 * (k * 5 + j)) for j in range(5)]) for k, e in enumerate(envs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sys.stdout is before

@@ -107,7 +107,16 @@ def test_unknown_route_and_method_are_json_errors(client):
 
 
 def test_host_and_port_shorthands_become_env_keys():
-    assert rewrite_overrides(["env=babyai", "host=0.0.0.0", "port=9000", "env.max_instances=3"]) == ["env=babyai", "++env.host=0.0.0.0", "++env.port=9000", "env.max_instances=3"]
+    assert rewrite_overrides(["env=babyai", "host=0.0.0.0", "port=9000", "env.max_instances=3", "++env.url=x", "algo=ppo"]) == ["env=babyai", "++env.host=0.0.0.0", "++env.port=9000", "++env.max_instances=3", "++env.url=x", "algo=ppo"]
+
+
+def test_misspelled_env_key_is_still_refused():
+    import conf
+
+    cfg = conf.load(rewrite_overrides(["env=babyai", "port=9001", "env.max_instances=7"]))
+    assert (cfg.env.port, cfg.env.max_instances, cfg.env.host) == (9001, 7, "127.0.0.1")
+    with pytest.raises(conf.ConfigError, match="max_instancez"):
+        conf.load(rewrite_overrides(["env=babyai", "env.max_instancez=7"]))
 
 
 def test_env_without_expert_answers_501(client):
@@ -130,3 +139,25 @@ def test_server_step_cap_truncates_episode():
         assert c.post("/step", json={"id": i, "action": "a"}).status_code == 409
         c.post("/reset", json={"id": i, "data_idx": 1})  # a new episode gets a fresh budget
         assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
+
+
+def test_concurrent_creates_respect_the_instance_limit():
+    import asyncio
+    import time
+
+    from envhub.instances import ApiError, InstanceTable
+
+    class SlowFamily(FakeFamily):
+        def create(self):
+            time.sleep(0.05)
+            return FakeEnv()
+
+    async def main():
+        table = InstanceTable(SlowFamily(), max_instances=3, idle_timeout_s=60)
+        results = await asyncio.gather(*(table.create() for _ in range(8)), return_exceptions=True)
+        ok = [r for r in results if isinstance(r, int)]
+        refused = [r for r in results if isinstance(r, ApiError)]
+        assert len(ok) == 3 and len(refused) == 5 and all(r.status == 429 for r in refused)
+        await table.close_all()
+
+    asyncio.run(main())
