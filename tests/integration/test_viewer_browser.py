@@ -121,6 +121,7 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
                    and any(j != i and f["env"] == e["env"] and f["data_idx"] == e["data_idx"] for j, f in enumerate(eps)))
         ep = eps[eid]
         page.click(f"[data-testid=open-{eid}]")
+        page.wait_for_function("t => document.querySelector('[data-testid=ep-title]').textContent.startsWith(t)", arg=f"Episode {eid}:")
         page.wait_for_selector("[data-testid=turn-current]")
         assert f"Episode {eid}: {ep['env']} {ep['task_id']}" in page.inner_text("[data-testid=ep-title]")
         assert page.inner_text("[data-testid=meta-turn-limit] dd") == str(ep["turn_limit"])
@@ -153,6 +154,7 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         sibling = int(page.locator("[data-testid=same-task] option").first.get_attribute("value"))
         assert eps[sibling]["data_idx"] == ep["data_idx"] and eps[sibling]["env"] == ep["env"]
         page.click("[data-testid=same-task-go]")
+        page.wait_for_function("t => document.querySelector('[data-testid=cmp-title]').textContent.startsWith(t)", arg=f"Compare episodes {eid} and {sibling}:")
         page.wait_for_selector("[data-testid=cmp-a] [data-testid=cmp-turn-0]")
         assert page.is_hidden("[data-testid=cmp-warning]")
         assert f"Episode {eid}" in page.inner_text("[data-testid=cmp-a]")
@@ -183,8 +185,8 @@ def test_browse_filter_replay_compare_and_curve_click(tmp_path, browser_page):
         page.check(f"[data-testid=pick-{a}]")
         page.check(f"[data-testid=pick-{b}]")
         page.click("[data-testid=compare-go]")
+        page.wait_for_function("t => document.querySelector('[data-testid=cmp-title]').textContent.startsWith(t)", arg=f"Compare episodes {a} and {b}:")
         page.wait_for_selector("[data-testid=cmp-b] [data-testid=cmp-turn-0]")
-        assert page.inner_text("[data-testid=cmp-title]").startswith(f"Compare episodes {a} and {b}")
 
         # a bad link shows a readable error, not a blank page
         page.goto(url + "#/episode/99999")

@@ -329,6 +329,9 @@ function compareColumn(ep, diverge) {
 }
 
 async function showCompare(a, b) {
+  $("#cmp-title").textContent = `Loading episodes ${a} and ${b}…`;
+  $("#cmp-a").replaceChildren();
+  $("#cmp-b").replaceChildren();
   const [ea, eb] = await Promise.all([api(`/api/episode/${a}`), api(`/api/episode/${b}`)]);
   $("#cmp-title").textContent = `Compare episodes ${a} and ${b}: ${ea.env} ${ea.task_id || ea.data_idx}`;
   const warn = $("#cmp-warning");
