@@ -49,10 +49,10 @@ class Workload:
     """The long-tail workload the envhub serves (``env.options.sim_latency``)."""
 
     seed: int = 0
-    median_s: float = 0.3
+    median_s: float = 0.2
     sigma: float = 0.8
-    max_s: float = 5.0
-    task_sigma: float = 1.2
+    max_s: float = 8.0
+    task_sigma: float = 2.0
     reset_s: float = 0.5
     steps_median: float = 1.0
     steps_sigma: float = 1.0
@@ -79,7 +79,7 @@ class RunSpec:
     max_staleness: int = 2
     turn_limit: int = 16
     max_new_tokens: int = 48
-    decode_s_per_step: float = 0.01
+    decode_s_per_step: float = 0.005
     """Sim engine: seconds per decoding step of the whole batch."""
     mean_new_tokens: int = 24
     long_tail: float = 0.2
@@ -239,7 +239,7 @@ def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_
 
 
 def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: Path, steps_per_phase: int,
-                timeout_s: float, model_path: str = "", settle_s: float = 5.0) -> list[Phase]:
+                timeout_s: float, model_path: str = "", settle_s: float = 4.0) -> list[Phase]:
     """One learner; actors join in phases (``counts``, ascending).  Each phase lasts until
     ``steps_per_phase`` steps were logged with that many actors registered after one
     warm-up step and ``settle_s`` seconds (new actors start up meanwhile).  Actors may join at any time, so this
