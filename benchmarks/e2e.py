@@ -17,7 +17,8 @@ Figures (``benchmarks.common.Result``):
 * ``async_efficiency_sim``: achieved speed-up over the ideal one that the sync run's own
   sampled episode costs allow (``benchmarks.makespan``: lock-step makespan over
   work-conserving makespan with the same slots and the measured step time), target 0.85;
-* ``scaling_sim_<n>actors``: groups/s with n actors against 1 actor;
+* ``scaling_sim_<n>actors``: groups/s with n actors against 1 actor (one learner, actors
+  joining in phases; the workload without its per-task factor);
   ``learner_busy_<n>actors``: the learner's busy fraction at the largest n (ratio =
   1/busy, target 2: the learner is busy at most half the time, so it is not the bottleneck);
 * per run: learner busy fraction, staleness mean, dropped groups; the full detail
@@ -49,10 +50,10 @@ class Workload:
     """The long-tail workload the envhub serves (``env.options.sim_latency``)."""
 
     seed: int = 0
-    median_s: float = 0.3
+    median_s: float = 0.2
     sigma: float = 0.8
-    max_s: float = 5.0
-    task_sigma: float = 1.2
+    max_s: float = 8.0
+    task_sigma: float = 2.0
     reset_s: float = 0.5
     steps_median: float = 1.0
     steps_sigma: float = 1.0
@@ -79,7 +80,7 @@ class RunSpec:
     max_staleness: int = 2
     turn_limit: int = 16
     max_new_tokens: int = 48
-    decode_s_per_step: float = 0.01
+    decode_s_per_step: float = 0.005
     """Sim engine: seconds per decoding step of the whole batch."""
     mean_new_tokens: int = 24
     long_tail: float = 0.2
@@ -239,7 +240,7 @@ def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_
 
 
 def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: Path, steps_per_phase: int,
-                timeout_s: float, model_path: str = "", settle_s: float = 5.0) -> list[Phase]:
+                timeout_s: float, model_path: str = "", settle_s: float = 4.0) -> list[Phase]:
     """One learner; actors join in phases (``counts``, ascending).  Each phase lasts until
     ``steps_per_phase`` steps were logged with that many actors registered after one
     warm-up step and ``settle_s`` seconds (new actors start up meanwhile).  Actors may join at any time, so this
@@ -325,7 +326,7 @@ def add_arguments(parser) -> None:
     a("--e2e-group-size", type=int, default=2, help="episodes per group (GRPO n)")
     a("--e2e-groups-per-step", type=int, default=0, help="0: one group per slot (actors x max-groups)")
     a("--e2e-steps", type=int, default=6, help="optimizer steps per sim run (the first is warm-up)")
-    a("--e2e-hf-steps", type=int, default=5)
+    a("--e2e-hf-steps", type=int, default=4)
     a("--e2e-hf-actors", type=int, default=2, help="actors in the hf comparison (each loads torch and the model)")
     a("--e2e-hf-turn-limit", type=int, default=4)
     a("--e2e-hf-max-new-tokens", type=int, default=16)
@@ -335,6 +336,7 @@ def add_arguments(parser) -> None:
     a("--e2e-scaling", default="1,2,4,8", help="actor counts for the scaling runs")
     a("--e2e-scaling-steps", type=int, default=2, help="measured steps per scaling phase (after one warm-up step)")
     a("--e2e-scaling-groups-per-step", type=int, default=2, help="batch of the scaling run")
+    a("--e2e-scaling-task-sigma", type=float, default=0.0, help="per-task latency spread in the scaling run")
     a("--e2e-latency-median", type=float, default=Workload.median_s, help="median env step latency, s")
     a("--e2e-latency-sigma", type=float, default=Workload.sigma)
     a("--e2e-task-sigma", type=float, default=Workload.task_sigma, help="spread of the per-task latency factor")
@@ -406,7 +408,9 @@ def run(args) -> list[Result]:
 
 
 def scaling_phases(args, base: RunSpec, workload: Workload, root: Path, model_path: str) -> list[Phase]:
-    """Actors (one lease each, async) join one learner in phases of 1, 2, 4, 8 (``--e2e-scaling``).
+    """Actors (one lease each, async) join one learner in phases of 1, 2, 4, 8 (``--e2e-scaling``),
+    on the workload without its per-task factor (``--e2e-scaling-task-sigma``, default 0):
+    a few steps per phase then measure capacity rather than which rare slow task was drawn.
     ``max_staleness`` is raised where needed so that admission lets every actor work
     (``(max_staleness + 1) * groups_per_step >= actors``)."""
     counts = sorted({int(c) for c in args.e2e_scaling.split(",") if c.strip()})
@@ -417,7 +421,8 @@ def scaling_phases(args, base: RunSpec, workload: Workload, root: Path, model_pa
                    max_staleness=max(args.e2e_staleness, math.ceil(max(counts) / gps) - 1))
     t0 = time.monotonic()
     print(f"   e2e run scaling: actors join in phases {counts}, {gps} groups/step, max_staleness={spec.max_staleness}", flush=True)
-    phases = run_scaling(spec, counts, workload, root, args.e2e_scaling_steps, args.e2e_run_timeout * 2, model_path)
+    light = replace(workload, task_sigma=args.e2e_scaling_task_sigma)
+    phases = run_scaling(spec, counts, light, root, args.e2e_scaling_steps, args.e2e_run_timeout * 2, model_path)
     for ph in phases:
         print(f"   -> {ph.actors} actors: {ph.groups_per_s:.3g} groups/s, learner busy {ph.learner_busy:.2f} over {ph.steps} steps", flush=True)
     print(f"   scaling took {time.monotonic() - t0:.0f}s", flush=True)
