@@ -241,6 +241,8 @@ class LearnerConfig:
     init_from: str = ""
     """Start from this checkpoint/model folder instead of ``model.path`` weights (e.g. after SFT)."""
     save_trajectories: bool = True
+    sft_data: str = ""
+    """``algo=sft``: conversations JSONL to train on offline (``learner/sft_data.py``); no actors."""
 
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0, "learner.max_staleness", "must be >= 0")
@@ -267,26 +269,46 @@ class ActorConfig:
 
 @dataclass(kw_only=True)
 class WarmStartConfig:
-    episodes: int = 200
-    """Oracle episodes played for the SFT warm start (0 skips it)."""
+    """``turnscale run``'s supervised warm start on oracle episodes (``algo=sft``)."""
+
+    episodes: int = 300
+    """Oracle conversations to play (from ``run.warmup_seeds``); unsolved ones are skipped."""
+    max_turns: int = 8
+    """Oracle episodes longer than this are skipped."""
     steps: int = 40
+    """SFT steps (0 skips the warm start); stopped early on purpose, so RL has room."""
     lr: float = 3e-3
     batch_episodes: int = 16
 
 
 @dataclass(kw_only=True)
 class RunConfig:
-    """``turnscale run``: every process on one machine."""
+    """``turnscale run``: every process on one machine (``turnscale/launch.py``)."""
 
     dir: str = "runs/default"
     actors: int = 2
+    levels: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 9, 10, 12, 13, 18])
+    """BabyAI level indices (``data_idx % 40``) of the run's task mix."""
+    warmup_seeds: str = "0:30"
+    """Seeds (``a:b``) whose tasks the oracle plays for the warm start."""
+    train_seeds: str = "30:1000"
+    """Seeds of the RL training tasks."""
+    test_seeds: str = "1000:1006"
+    """Seeds of the held-out tasks (before/after success rates)."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    eval_episodes: int = 64
-    """Held-out episodes for the before/after success rates."""
-    timeout_s: float = 900.0
+    eval_turns: int = 6
+    """Turn limit of the held-out evaluations."""
+    eval_samples: int = 1
+    """Episodes per held-out task."""
+    timeout_s: float = 1800.0
+    """The whole run is stopped (children by pid) after this long."""
 
     def __post_init__(self) -> None:
         _require(self.actors >= 1, "run.actors", "must be >= 1")
+        _require(all(0 <= lvl < 40 for lvl in self.levels) and self.levels, "run.levels", "BabyAI level indices in [0, 40)")
+        for key in ("warmup_seeds", "train_seeds", "test_seeds"):
+            a, sep, b = getattr(self, key).partition(":")
+            _require(sep == ":" and a.isdigit() and b.isdigit() and int(a) < int(b), f"run.{key}", "a seed range 'a:b' with a < b")
 
 
 @dataclass(kw_only=True)

@@ -103,6 +103,15 @@ async def run(cfg: Config) -> int:
     os.makedirs(lc.dir, exist_ok=True)
     model_path = await trio.to_thread.run_sync(resolve_model_path, cfg)
     trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
+    if cfg.algo.name == "sft" and lc.sft_data:
+        from learner.sft import run_sft
+
+        logger = make_logger(cfg.logger, lc.dir)
+        try:
+            await trio.to_thread.run_sync(run_sft, cfg, trainer, logger)
+        finally:
+            logger.close()
+        return 0
     schedule = TurnSchedule.from_config(cfg.schedule)
     publisher = WeightPublisher(tcp_endpoint(lc.host, lc.weights_port), chunk_mb=lc.chunk_mb, dtype=lc.transfer_dtype)
     logger = make_logger(cfg.logger, lc.dir)

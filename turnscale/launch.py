@@ -1,0 +1,299 @@
+"""``turnscale run``: the whole system on one machine, as separate processes over 127.0.0.1.
+
+``run(cfg)`` reads top to bottom:
+
+1. task files for the run's BabyAI level mix (warm-up, train, held-out test seeds);
+2. oracle conversations for the warm start, and the tiny model built on their text
+   (``model.path=tiny``; any other ``model.path`` is used as it is);
+3. warm start: ``turnscale learner algo=sft`` on those conversations (offline SFT);
+4. an envhub server; held-out success of the warm-started model (``turnscale eval``);
+5. RL: ``turnscale learner`` (GRPO, asynchronous, ScalingInter-RL schedule) initialised
+   from the warm start, and ``run.actors`` ``turnscale actor`` processes; progress lines
+   from the learner's ``metrics.jsonl`` until the learner finishes its steps;
+6. held-out success of the final checkpoint; ``summary.json``, plots, the summary table.
+
+Children get the resolved config as explicit ``++key=value`` overrides (``child_overrides``),
+so every process sees exactly the launcher's configuration.  Each child is started and
+ended by pid (``turnscale.procs``); its log is ``<run.dir>/logs/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from conf.schema import Config
+from turnscale.procs import ChildFailed, ProcessGroup, wait_http_ok
+
+DEFAULT_EXPERIMENT = "run_babyai"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return _quote(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    raise TypeError(f"cannot pass {type(v).__name__} as an override")
+
+
+def child_overrides(cfg: Config, sections: Sequence[str], **changes: Any) -> list[str]:
+    """``++key=value`` for every leaf of ``sections`` of ``cfg``, then ``changes``
+    (``learner__port=5`` sets ``learner.port``).  Dict-valued fields become one override
+    per key."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(f"{prefix}.{f.name}", getattr(obj, f.name))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = _value(obj)
+
+    for s in sections:
+        walk(s, getattr(cfg, s))
+    for key, v in changes.items():
+        out[key.replace("__", ".")] = _value(v)
+    return [f"++{k}={v}" for k, v in out.items()]
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+def _range(spec: str) -> range:
+    a, _, b = spec.partition(":")
+    return range(int(a), int(b))
+
+
+def task_ids(levels: Sequence[int], seeds: str) -> list[int]:
+    """BabyAI ids of ``levels`` (``data_idx % 40``) for every seed in ``seeds`` (``a:b``)."""
+    return [lvl + 40 * s for s in _range(seeds) for lvl in levels]
+
+
+def write_tasks(path: Path, ids: Sequence[int]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(list(ids)))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+class Launcher:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.run.dir).resolve()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.procs = ProcessGroup(self.dir / "logs")
+        self.t0 = time.monotonic()
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.0f}s] {msg}", flush=True)
+
+    def deadline_left(self) -> float:
+        return self.cfg.run.timeout_s - (time.monotonic() - self.t0)
+
+    def wait(self, child, what: str) -> None:
+        """Wait for a child to exit 0 within the run's time budget."""
+        while child.alive():
+            if self.deadline_left() <= 0:
+                raise ChildFailed(f"{what}: run.timeout_s={self.cfg.run.timeout_s:.0f} exceeded")
+            time.sleep(0.5)
+        if child.popen.returncode != 0:
+            raise ChildFailed(f"{what} exited with {child.popen.returncode}:\n{child.tail()}")
+
+    # 1-2
+    def prepare(self) -> tuple[dict[str, str], str, str]:
+        from turnscale.tinymodel import ensure_model
+        from turnscale.warmstart import corpus_from_conversations, oracle_conversations, write_conversations
+
+        rc, env = self.cfg.run, self.cfg.env
+        tasks_dir = self.dir / "tasks"
+        files = {
+            "warmup": write_tasks(tasks_dir / "warmup.json", task_ids(rc.levels, rc.warmup_seeds)),
+            "train": write_tasks(tasks_dir / "train.json", task_ids(rc.levels, rc.train_seeds)),
+            "test": write_tasks(tasks_dir / "test.json", task_ids(rc.levels, rc.test_seeds)),
+        }
+        sft_path = self.dir / "warmstart" / "conversations.jsonl"
+        warm_ids = json.loads(Path(files["warmup"]).read_text())[: rc.warm_start.episodes]
+        n = write_conversations(sft_path, oracle_conversations(env.name, warm_ids, max_turns=rc.warm_start.max_turns))
+        self.say(f"warm start data: {n} oracle conversations on {len(rc.levels)} BabyAI levels -> {sft_path}")
+        model_path = ensure_model(self.cfg.model, lambda: corpus_from_conversations(sft_path))
+        self.say(f"model: {model_path}")
+        return files, str(sft_path), model_path
+
+    # 3
+    def warm_start(self, model_path: str, sft_path: str) -> str:
+        from learner import checkpoint
+
+        ws = self.cfg.run.warm_start
+        out = self.dir / "warmstart"
+        args = ["learner", "algo=sft"] + child_overrides(
+            self.cfg, ["model", "sampling", "logger"],
+            model__path=model_path, algo__lr=ws.lr, learner__dir=str(out), learner__steps=ws.steps,
+            learner__groups_per_step=ws.batch_episodes, learner__sft_data=sft_path, learner__checkpoint_every=ws.steps,
+            learner__keep_checkpoints=1, learner__seed=self.cfg.learner.seed, logger__tensorboard=False,
+        )
+        self.say(f"warm start: SFT, {ws.steps} steps of {ws.batch_episodes} conversations")
+        self.wait(self.procs.start("warmstart", args), "warm start (turnscale learner algo=sft)")
+        ck = checkpoint.latest(str(out / "checkpoints"))
+        if ck is None:
+            raise ChildFailed(f"warm start wrote no checkpoint under {out / 'checkpoints'}")
+        return os.path.join(ck, "model")
+
+    # 4
+    def start_envhub(self) -> str:
+        from protocol.transport import free_port
+
+        port = free_port()
+        child = self.procs.start("envhub", ["envhub", f"env={self.cfg.env.name}", "host=127.0.0.1", f"port={port}"])
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{url}/health", 120, child)
+        self.say(f"envhub {self.cfg.env.name} at {url} (pid {child.pid})")
+        return url
+
+    def evaluate(self, name: str, model_dir: str, tasks_file: str, env_url: str) -> dict:
+        rc = self.cfg.run
+        out = self.dir / name
+        args = ["eval", "--model", f"{model_dir}={name}", "--env", self.cfg.env.name, "--tasks", tasks_file,
+                "--turns", str(rc.eval_turns), "--samples", str(rc.eval_samples), "--out", str(out), "--no-progress",
+                *child_overrides(self.cfg, ["sampling", "engine"], env__url=env_url)]
+        self.wait(self.procs.start(name, args), f"evaluation {name}")
+        doc = json.loads((out / "eval.json").read_text())
+        overall = held_out_success(doc)
+        self.say(f"{name}: held-out success {overall['success']:.3f} over {overall['episodes']} episodes")
+        return overall
+
+    # 5
+    def rl(self, init_from: str, files: dict[str, str], env_url: str) -> Path:
+        from protocol.transport import free_port
+
+        lc = self.cfg.learner
+        ldir = self.dir / "learner"
+        ports = dict(learner__port=free_port(), learner__pub_port=free_port(), learner__weights_port=free_port())
+        largs = ["learner"] + child_overrides(
+            self.cfg, ["env", "model", "algo", "sampling", "schedule", "logger", "learner"],
+            learner__dir=str(ldir), learner__init_from=init_from, learner__host="127.0.0.1",
+            env__url=env_url, env__tasks__train=files["train"], env__tasks__test=files["test"], **ports,
+        )
+        learner = self.procs.start("learner", largs)
+        self.say(f"learner (pid {learner.pid}): {self.cfg.algo.name}, {lc.steps} steps, max_staleness {lc.max_staleness}, "
+                 f"turn limits {self.cfg.schedule.turns} every {self.cfg.schedule.every} steps")
+        for i in range(self.cfg.run.actors):
+            aargs = ["actor"] + child_overrides(self.cfg, ["engine", "actor"], actor__learner_host="127.0.0.1",
+                                                actor__learner_port=ports["learner__port"], actor__actor_id=f"actor-{i}")
+            a = self.procs.start(f"actor-{i}", aargs)
+            self.say(f"actor-{i} (pid {a.pid})")
+        self.follow(learner, ldir / "metrics.jsonl")
+        return ldir
+
+    def follow(self, learner, metrics_path: Path) -> None:
+        from learner.metrics import format_progress
+
+        seen, last_print = 0, 0.0
+        every = self.cfg.logger.console_every_s
+        while learner.alive():
+            if self.deadline_left() <= 0:
+                raise ChildFailed(f"RL: run.timeout_s={self.cfg.run.timeout_s:.0f} exceeded")
+            for c in self.procs.children:
+                if c.name.startswith("actor") and not c.alive() and c.popen.returncode not in (0, None):
+                    self.say(f"{c.name} exited with {c.popen.returncode} (see {c.log_path})")
+            rows = _read_rows(metrics_path)
+            if len(rows) > seen and time.monotonic() - last_print >= every:
+                seen, last_print = len(rows), time.monotonic()
+                self.say(format_progress(rows[-1]["step"], rows[-1]))
+            time.sleep(0.5)
+        if learner.popen.returncode != 0:
+            raise ChildFailed(f"learner exited with {learner.popen.returncode}:\n{learner.tail()}")
+        for c in self.procs.children:
+            if c.name.startswith("actor"):
+                c.stop(self.cfg.actor.shutdown_grace_s + 5)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    from turnscale.report import read_metrics
+
+    return read_metrics(path)
+
+
+def held_out_success(doc: dict) -> dict:
+    """Overall success of one checkpoint from an ``eval.json`` (``turnscale.evalreport``):
+    the row with ``category == ""`` (all sub-tasks of the env)."""
+    rows = [r for r in doc.get("rows", []) if r.get("category") == "" and r.get("env")]
+    if not rows or rows[0].get("success") is None:
+        raise ChildFailed("evaluation wrote no overall row (every episode failed?)")
+    r = rows[0]
+    return {"success": float(r["success"]), "mean_reward": float(r["mean_reward"] or 0.0), "episodes": int(r["episodes"]),
+            "errors": int(r["errors"]), "mean_turns": float(r["mean_turns"] or 0.0), "turn_limit": int(r["turn_limit"])}
+
+
+def run(cfg: Config) -> int:
+    from learner import checkpoint
+    from turnscale.report import summary_table, write_plots
+
+    launcher = Launcher(cfg)
+    say = launcher.say
+    say(f"turnscale run -> {launcher.dir}")
+    try:
+        files, sft_path, model_path = launcher.prepare()
+        warm_model = launcher.warm_start(model_path, sft_path) if cfg.run.warm_start.steps > 0 else model_path
+        env_url = launcher.start_envhub()
+        warm = launcher.evaluate("eval_warm_start", warm_model, files["test"], env_url)
+        ldir = launcher.rl(warm_model, files, env_url)
+        ck = checkpoint.latest(str(ldir / "checkpoints"))
+        if ck is None:
+            raise ChildFailed(f"the learner wrote no checkpoint under {ldir / 'checkpoints'}")
+        final = launcher.evaluate("eval_final", os.path.join(ck, "model"), files["test"], env_url)
+        rows = _read_rows(ldir / "metrics.jsonl")
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            src, dst = ldir / name, launcher.dir / name
+            if src.exists():
+                if dst.exists() or dst.is_symlink():
+                    dst.unlink()
+                os.symlink(os.path.relpath(src, launcher.dir), dst)
+        summary = {
+            "warm_start": warm,
+            "final": final,
+            "steps": int(rows[-1]["step"]) if rows else 0,
+            "wall_s": time.monotonic() - launcher.t0,
+            "checkpoint": ck,
+            "config": dataclasses.asdict(cfg),
+        }
+        (launcher.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plots = write_plots(launcher.dir, rows)
+        print("\n" + summary_table(summary))
+        say(f"wrote {launcher.dir / 'summary.json'}, {', '.join(p.name for p in plots)}; browse with: turnscale view {launcher.dir}")
+        return 0
+    except ChildFailed as exc:
+        print(f"turnscale run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.procs.close()
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    import conf
+
+    overrides = list(argv)
+    if not any(o.lstrip("+").startswith("experiment=") for o in overrides):
+        overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
+    cfg = conf.load(overrides)
+    return run(cfg)
