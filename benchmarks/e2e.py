@@ -334,7 +334,7 @@ def add_arguments(parser) -> None:
     a("--e2e-max-new-tokens", type=int, default=48)
     a("--e2e-staleness", type=int, default=2, help="max_staleness of the async runs")
     a("--e2e-scaling", default="1,2,4,8", help="actor counts for the scaling runs")
-    a("--e2e-scaling-steps", type=int, default=2, help="measured steps per scaling phase (after one warm-up step)")
+    a("--e2e-scaling-steps", type=int, default=3, help="measured steps per scaling phase (after one warm-up step)")
     a("--e2e-scaling-groups-per-step", type=int, default=2, help="batch of the scaling run")
     a("--e2e-scaling-task-sigma", type=float, default=0.0, help="per-task latency spread in the scaling run")
     a("--e2e-latency-median", type=float, default=Workload.median_s, help="median env step latency, s")
