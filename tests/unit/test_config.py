@@ -10,7 +10,7 @@ GROUPS = {
     "schedule": ["fixed", "scaling"],
     "model": ["tiny", "qwen2_5_7b"],
     "logger": ["default"],
-    "experiment": ["agentgym_babyai"],
+    "experiment": ["agentgym_babyai", "run_babyai"],
 }
 
 
