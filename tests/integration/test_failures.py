@@ -242,3 +242,183 @@ def test_joining_actor_gets_current_policy_and_killed_actors_leases_are_reissued
     except BaseException:
         c.dump()
         raise
+
+
+# ----------------------------------------------------------------------------- learner restart
+
+
+def checkpoints(root: Path) -> dict[int, dict]:
+    """step -> meta.json of every complete checkpoint under ``root``."""
+    out = {}
+    for p in root.glob("step-*"):
+        meta = p / "meta.json"
+        if meta.exists():
+            out[int(p.name.split("-")[1])] = json.loads(meta.read_text())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkilled_learner_resumes_from_checkpoint_and_actors_reconnect(cluster_factory):
+    import conf
+    from learner.tasks import TaskStream, parse_task_spec
+
+    c = cluster_factory("learner.checkpoint_every=1", "learner.keep_checkpoints=100")
+    try:
+        c.start_envhub()
+        l1 = c.start_learner()
+        a1, a2 = c.start_actor("a1"), c.start_actor("a2")
+        c.wait("step 3", lambda: c.step() >= 3, 150)
+        l1.kill()
+        before = c.metrics()
+        trajs1 = c.trajs()
+        cks = checkpoints(c.dir / "checkpoints")
+        s = max(cks)
+        extra = cks[s]["extra"]
+        assert s >= 3 and extra["step"] == s and extra["turn_limit"] == 3
+
+        l2 = c.start_learner("learner.resume=true")
+        resumed = f"resumed at step {s}, version {extra['version']}, turn limit 3"
+        c.wait("the resumed learner", lambda: resumed in c.log(l2), 90)
+        c.wait("both actors back", lambda: all(c.log(a).count("registered with learner run") >= 2 for a in (a1, a2)), 60)
+        c.wait("two steps after the restart", lambda: c.step() >= s + 2 and len(c.metrics()) >= len(before) + 2, 120)
+        c.wait("groups from both actors after the restart",
+               lambda: {t["actor_id"] for t in c.trajs()[len(trajs1):] if t["accepted"]} == {"a1", "a2"}, 60)
+        c.stop_learner()
+        assert a1.alive() and a2.alive(), "actors survive their learner dying"
+
+        # step, version, turn limit continue from the checkpoint
+        after = c.metrics()[len(before):]
+        check_metrics(after, first_step=s + 1)
+        assert after[0]["perf/version"] == extra["version"]  # recorded before the step's publication
+        assert [m["perf/version"] for m in after] == list(range(extra["version"], extra["version"] + len(after)))
+        assert all(m["rollout/turn_limit"] == 3 for m in after)
+
+        # the task cursor continues: the first leases come from the checkpoint's stream
+        cfg = conf.load(c.common)
+        stream = TaskStream.from_state(parse_task_spec(cfg.env.tasks.train, cfg.env.name, "train"), extra["leases"]["stream"])
+        expect = [stream.next().data_idx for _ in range(4)]
+        grants2 = c.grants(l2)
+        assert [g[1] for g in grants2[:4]] == expect
+        assert all(g[2] == 3 and g[3] >= extra["version"] for g in grants2)
+
+        # nothing trained before the checkpoint is trained again; no partial or twice-trained group
+        trajs = c.trajs()
+        ids1 = {g[0] for g in c.grants(l1)}
+        old = [t for t in trajs if t["lease_id"] in ids1]
+        new = [t for t in trajs if t["lease_id"] not in ids1]
+        assert len(old) + len(new) == len(trajs) and new
+        acc1 = check_groups(old)
+        acc2 = check_groups(new)
+        trained_before = [eps[0]["data_idx"] for eps in acc1.values()][: s * GROUPS_PER_STEP]
+        assert not set(trained_before) & {eps[0]["data_idx"] for eps in acc2.values()}
+    except BaseException:
+        c.dump()
+        raise
+
+
+# ----------------------------------------------------------------------------- env server restart
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_env_server_restart_fails_broken_groups_reissues_them_and_training_continues(cluster_factory):
+    c = cluster_factory()
+    try:
+        c.start_envhub()
+        status, probe = post(c.env_url + "/create", {})
+        assert status == 200
+        learner = c.start_learner()
+        c.start_actor("a1")
+        c.start_actor("a2")
+        c.wait("step 2", lambda: c.step() >= 2, 150)
+
+        c.procs.children[0].kill()  # envhub, SIGKILL: every instance and connection is gone
+        restarted_at = c.step()
+        time.sleep(1.0)
+        c.start_envhub("envhub2")
+        n_before = len(c.trajs())
+        c.wait("env errors and training after the restart",
+               lambda: any(t["finish_reason"] == "env_error" for t in c.trajs())
+               and any(t["accepted"] for t in c.trajs()[n_before:]) and c.step() >= restarted_at + 3, 150)
+        c.stop_learner()
+
+        trajs = c.trajs()
+        check_groups(trajs)
+        errors = [t for t in trajs if t["finish_reason"] == "env_error"]
+        assert errors and all(not t["accepted"] and t["drop_reason"] == "failed" for t in errors)
+        # the failed groups' tasks were leased again
+        granted = defaultdict(int)
+        for g in c.grants(learner):
+            granted[g[1]] += 1
+        assert all(granted[t["data_idx"]] >= 2 for t in errors), [t["data_idx"] for t in errors]
+        metrics = c.metrics()
+        check_metrics(metrics)
+        assert sum(m.get("rollout/dropped/failed", 0) for m in metrics) >= 1
+        assert metrics[-1].get("actors/env_instances_replaced", 0) >= 1
+        # an instance id of the old server does not name some other client's new instance
+        status, _ = post(c.env_url + "/reset", {"id": probe["id"], "data_idx": 0})
+        assert status == 404
+    except BaseException:
+        c.dump()
+        raise
+
+
+# ----------------------------------------------------------------------------- backpressure
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_slow_learner_bounds_leases_staleness_and_actor_memory(cluster_factory):
+    steps = 6
+    c = cluster_factory("learner.debug_step_delay_s=2.5", f"learner.steps={steps}", "actor.max_groups=4")
+    try:
+        c.start_envhub()
+        learner = c.start_learner()
+        actors = [c.start_actor("a1"), c.start_actor("a2")]
+        c.wait("step 1", lambda: c.step() >= 1, 150)
+        base = {a.name: rss_mb(a.pid) for a in actors}
+        peak = dict(base)
+        deadline = time.monotonic() + 120
+        while learner.alive():
+            assert time.monotonic() < deadline, "the slow learner did not finish"
+            for a in actors:
+                if a.alive():
+                    peak[a.name] = max(peak[a.name], rss_mb(a.pid))
+            time.sleep(0.5)
+        assert learner.popen.returncode == 0, learner.tail()
+
+        metrics = c.metrics()
+        check_metrics(metrics)
+        assert len(metrics) == steps
+        assert not any(m.get("rollout/dropped/stale", 0) for m in metrics)
+        trajs = c.trajs()
+        by_lease = check_groups(trajs)
+        # admission control: groups accepted while the policy was at version v never exceed
+        # (max_staleness + v + 1) * groups_per_step, however fast the actors are
+        accepted_by_version = defaultdict(int)
+        for eps in by_lease.values():
+            accepted_by_version[eps[0]["version"]] += 1
+        total = 0
+        for v in sorted(accepted_by_version):
+            total += accepted_by_version[v]
+            assert total <= (MAX_STALENESS + v + 1) * GROUPS_PER_STEP, (v, total)
+        grants = c.grants(learner)
+        assert len(grants) <= (MAX_STALENESS + steps + 1) * GROUPS_PER_STEP + sum(
+            m.get("rollout/leases_expired", 0) + m.get("rollout/dropped/failed", 0) for m in metrics)
+        assert max(m["perf/leases_in_flight"] for m in metrics) <= (MAX_STALENESS + 1) * GROUPS_PER_STEP
+        # idle actors wait for leases instead of piling up work: memory stays flat
+        for name in base:
+            assert peak[name] - base[name] < 150, (name, base[name], peak[name])
+    except BaseException:
+        c.dump()
+        raise
