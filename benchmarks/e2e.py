@@ -240,10 +240,11 @@ def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_
 
 
 def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: Path, steps_per_phase: int,
-                timeout_s: float, model_path: str = "", settle_s: float = 4.0) -> list[Phase]:
+                timeout_s: float, model_path: str = "", settle_s: float = 4.0, min_window_s: float = 8.0) -> list[Phase]:
     """One learner; actors join in phases (``counts``, ascending).  Each phase lasts until
-    ``steps_per_phase`` steps were logged with that many actors registered after one
-    warm-up step and ``settle_s`` seconds (new actors start up meanwhile).  Actors may join at any time, so this
+    ``steps_per_phase`` steps, and at least ``min_window_s`` seconds, were logged with that
+    many actors registered after one warm-up step and ``settle_s`` seconds (new actors
+    start up meanwhile; steps come in bursts when several groups are buffered).  Actors may join at any time, so this
     measures the same thing as separate runs without paying the start-up per count."""
     phases: list[Phase] = []
     deadline = time.monotonic() + timeout_s
@@ -253,7 +254,7 @@ def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: 
             while True:
                 c.check(deadline, f"{steps_per_phase} steps with {n} actors")
                 ph = phase_figures(c.metrics(), n, spec.groups_per_step, warmup=1, settle_s=settle_s)
-                if ph is not None and ph.steps >= steps_per_phase:
+                if ph is not None and ph.steps >= steps_per_phase and ph.window_s >= min_window_s:
                     phases.append(ph)
                     break
                 time.sleep(0.5)
@@ -334,7 +335,8 @@ def add_arguments(parser) -> None:
     a("--e2e-max-new-tokens", type=int, default=48)
     a("--e2e-staleness", type=int, default=2, help="max_staleness of the async runs")
     a("--e2e-scaling", default="1,2,4,8", help="actor counts for the scaling runs")
-    a("--e2e-scaling-steps", type=int, default=2, help="measured steps per scaling phase (after one warm-up step)")
+    a("--e2e-scaling-steps", type=int, default=2, help="least measured steps per scaling phase (after one warm-up step)")
+    a("--e2e-scaling-window", type=float, default=8.0, help="least seconds measured per scaling phase")
     a("--e2e-scaling-groups-per-step", type=int, default=2, help="batch of the scaling run")
     a("--e2e-scaling-task-sigma", type=float, default=0.0, help="per-task latency spread in the scaling run")
     a("--e2e-latency-median", type=float, default=Workload.median_s, help="median env step latency, s")
@@ -422,7 +424,8 @@ def scaling_phases(args, base: RunSpec, workload: Workload, root: Path, model_pa
     t0 = time.monotonic()
     print(f"   e2e run scaling: actors join in phases {counts}, {gps} groups/step, max_staleness={spec.max_staleness}", flush=True)
     light = replace(workload, task_sigma=args.e2e_scaling_task_sigma)
-    phases = run_scaling(spec, counts, light, root, args.e2e_scaling_steps, args.e2e_run_timeout * 2, model_path)
+    phases = run_scaling(spec, counts, light, root, args.e2e_scaling_steps, args.e2e_run_timeout * 2, model_path,
+                         min_window_s=args.e2e_scaling_window)
     for ph in phases:
         print(f"   -> {ph.actors} actors: {ph.groups_per_s:.3g} groups/s, learner busy {ph.learner_busy:.2f} over {ph.steps} steps", flush=True)
     print(f"   scaling took {time.monotonic() - t0:.0f}s", flush=True)

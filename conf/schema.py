@@ -177,6 +177,9 @@ class AlgoConfig:
     value_coef: float = 0.5
     micro_batch_tokens: int = 8192
     """Token budget per micro-batch (sequences sorted by length and packed)."""
+    loss_agg: str = "token_mean"
+    """``token_mean`` (every loss token weighs the same) or ``seq_mean_token_mean`` (every
+    episode weighs the same; not applied to ``ppo``)."""
 
     def __post_init__(self) -> None:
         _require(self.name in ALGOS, "algo.name", f"{self.name!r}; choose one of {sorted(ALGOS)}")
@@ -185,6 +188,7 @@ class AlgoConfig:
         _require(self.lr_schedule in ("constant", "cosine"), "algo.lr_schedule", "constant or cosine")
         _require(self.behaviour_cap >= 1, "algo.behaviour_cap", "must be >= 1")
         _require(self.micro_batch_tokens > 0, "algo.micro_batch_tokens", "must be > 0")
+        _require(self.loss_agg in ("token_mean", "seq_mean_token_mean"), "algo.loss_agg", f"{self.loss_agg!r}; choose token_mean or seq_mean_token_mean")
 
 
 ALGOS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "sft"})

@@ -333,6 +333,7 @@ class Trainer:
             adv_G = [adv_mod.group_advantages_G(name, np.array([ep.reward for ep in g.episodes])) for g in groups]
             for r in rows:
                 r.adv = adv_G[r.group][r.index] * (r.mask > 0)
+            self._aggregate(rows)
             return
         if name == "reinforce_pp":
             mask_BT = pad_BT([r.mask for r in rows]).numpy()
@@ -341,8 +342,23 @@ class Trainer:
             adv_BT = adv_mod.reinforce_pp_BT(rewards_BT, mask_BT, self.algo.gamma, keep_B=keep_B)
             for b, r in enumerate(rows):
                 r.adv = adv_BT[b, : len(r.ids)]
+            self._aggregate(rows)
             return
         raise ValueError(f"algo {name!r} has no advantage estimator")
+
+    def _aggregate(self, rows: list[_Row]) -> None:
+        """``algo.loss_agg=seq_mean_token_mean``: scale each episode's advantages by
+        ``mean_len / len_i`` (loss tokens), so the token-mean loss over the batch equals the
+        mean over episodes of each episode's token-mean -- every episode weighs the same
+        whatever its length.  Multi-turn failures are long; under a plain token mean they
+        outweigh the short successes and push down the format tokens both share.  The mean
+        length is this rank's (ranks of one step see batches of similar length)."""
+        if self.algo.loss_agg != "seq_mean_token_mean" or not rows:
+            return
+        lengths = np.array([float(r.mask.sum()) for r in rows])
+        mean_len = float(lengths.mean())
+        for r, n in zip(rows, lengths):
+            r.adv = r.adv * (mean_len / n)
 
     def _normaliser(self, local_tokens: float) -> float:
         world = self.accelerator.num_processes

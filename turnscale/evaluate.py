@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     ks = _int_list(args.k, "k")
     out_dir = Path(args.out)
+    if overrides:
+        from conf import load
+
+        load(overrides)  # a wrong key or value stops here, named (ConfigError -> exit 2)
     if args.from_jsonl:
         if args.model:
             raise EvalError("give either --model (run) or --from-jsonl (report), not both")
