@@ -17,10 +17,10 @@ partial or failed group was trained (``check_groups``).
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
