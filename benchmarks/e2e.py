@@ -379,23 +379,46 @@ def run(args) -> list[Result]:
         outcomes.append(o)
         return o
 
-    if "sim" in parts:
-        async_sim = go(replace(base, name="sim_async", max_staleness=args.e2e_staleness))
-        sync_sim = go(replace(base, name="sim_sync", max_staleness=0))
-        results += compare("sim", async_sim, sync_sim, target=2.5, efficiency_target=0.85)
-    if "hf" in parts:
-        hf = replace(base, engine="hf", actors=args.e2e_hf_actors, groups_per_step=args.e2e_hf_actors * base.max_groups,
-                     steps=args.e2e_hf_steps, turn_limit=args.e2e_hf_turn_limit, max_new_tokens=args.e2e_hf_max_new_tokens)
-        a = go(replace(hf, name="hf_async", max_staleness=args.e2e_staleness))
-        s = go(replace(hf, name="hf_sync", max_staleness=0))
-        results += compare("hf", a, s, target=None, efficiency_target=None)
+    failed: list[str] = []
+
+    def part(name: str, fn) -> None:
+        """Run one part; a child that fails is reported (with its log's tail) and the
+        part's figures are left out, so the rest of the suite still runs."""
+        if name not in parts:
+            return
+        from turnscale.procs import ChildFailed
+
+        try:
+            fn()
+        except (ChildFailed, ValueError) as exc:
+            failed.append(name)
+            print(f"   e2e part {name} FAILED (logs under {root}): {exc}", file=sys.stderr, flush=True)
+
+    def sim() -> None:
+        a = go(replace(base, name="sim_async", max_staleness=args.e2e_staleness))
+        s = go(replace(base, name="sim_sync", max_staleness=0))
+        results.extend(compare("sim", a, s, target=2.5, efficiency_target=0.85))
+
+    def hf() -> None:
+        spec = replace(base, engine="hf", actors=args.e2e_hf_actors, groups_per_step=args.e2e_hf_actors * base.max_groups,
+                       steps=args.e2e_hf_steps, turn_limit=args.e2e_hf_turn_limit, max_new_tokens=args.e2e_hf_max_new_tokens)
+        a = go(replace(spec, name="hf_async", max_staleness=args.e2e_staleness))
+        s = go(replace(spec, name="hf_sync", max_staleness=0))
+        results.extend(compare("hf", a, s, target=None, efficiency_target=None))
+
     phases: list[Phase] = []
-    if "scaling" in parts:
-        phases = scaling_phases(args, base, workload, root, model_path)
-        results += scaling_results(phases)
+
+    def scale() -> None:
+        phases.extend(scaling_phases(args, base, workload, root, model_path))
+        results.extend(scaling_results(phases))
+
+    part("sim", sim)
+    part("hf", hf)
+    part("scaling", scale)
     for o in outcomes:
         results += per_run(o)
     details: dict[str, Any] = {"workload": asdict(workload), "model_path": model_path, "wall_s": time.monotonic() - t0,
+                               "failed_parts": failed,
                                "loadavg_start": load0, "loadavg_end": os.getloadavg(), "runs": [_details(o) for o in outcomes],
                                "scaling": [asdict(p) for p in phases]}
     for tag in ("sim", "hf"):
