@@ -15,15 +15,17 @@ Figures (``benchmarks.common.Result``):
 * ``async_vs_sync_sim`` / ``async_vs_sync_hf``: async groups trained/s, baseline sync,
   ratio = speed-up (target 2.5 for sim);  ``..._tokens``: the same for generated tokens/s;
 * ``async_efficiency_sim``: achieved speed-up over the ideal one that the sync run's own
-  sampled episode costs allow (``benchmarks.makespan``: lock-step makespan over
-  work-conserving makespan with the same slots and the measured step time), target 0.85;
+  sampled costs allow (``benchmarks.makespan``: lock-step makespan over work-conserving
+  makespan with the same slots; each group costs its slot the wall time from lease grant
+  to arrival, logged by the learner; the optimizer step time is measured), target 0.85;
 * ``scaling_sim_<n>actors``: groups/s with n actors against 1 actor (one learner, actors
   joining in phases; the workload without its per-task factor);
   ``learner_busy_<n>actors``: the learner's busy fraction at the largest n (ratio =
   1/busy, target 2: the learner is busy at most half the time, so it is not the bottleneck);
-* per run: learner busy fraction, staleness mean, dropped groups; the full detail
-  (staleness histogram, every group's episode durations, weight-sync figures when the
-  learner logs them) goes to ``<e2e-dir>/e2e_runs.json``.
+* per run: learner busy fraction, actor engine busy fraction, staleness mean, weight
+  sync seconds per version (actors' pull and load); the full detail (staleness
+  histogram, dropped groups, every group's slot time, episode durations and turns) goes
+  to ``<e2e-dir>/e2e_runs.json``.
 
 Sizes are flags (``--e2e-*``); the default suite is sized for ~6 minutes on 2 cores.
 """
