@@ -202,12 +202,15 @@ class Actor:
         backoff = 0.2
         while not self.stopping:
             lost: BaseException | None = None
+            sessions = self.stats.sessions
             try:
                 await self._session()
             except* LearnerLost as eg:
                 lost = eg.exceptions[0]
             if lost is None or self.stopping:
                 return  # graceful end
+            if self.stats.sessions > sessions:
+                backoff = 0.2  # it was registered: start the backoff afresh
             log.warning("learner lost (%s); reconnecting in %.1fs", lost, backoff)
             with trio.move_on_after(backoff):
                 while not self.stopping:
@@ -402,8 +405,9 @@ class Actor:
             stats = {**self.runtime.engine.stats(), **{k: float(v) for k, v in vars(self.stats).items()}}
             for pool in self.pools.values():
                 stats.update(pool.stats())
+            numeric = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             hb = Heartbeat(actor_id=self.actor_id, lease_ids=sorted(self._running), policy_version=self.runtime.engine.version,
-                           stats={k: float(v) for k, v in stats.items()})
+                           stats=numeric)
             ack = await self._request(req, hb, HeartbeatAck)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)

@@ -203,6 +203,9 @@ class ThreadedEngine:
         self._tokens = 0
         self._finished = 0
         self._mid_batch_joins = 0
+        self._weight_errors = 0
+        self.last_weight_error = ""
+        """Why the last weight swap failed (the engine keeps the previous version)."""
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
 
     def _start(self) -> None:
@@ -253,6 +256,7 @@ class ThreadedEngine:
             "active": float(len(self._active())),
             "queued": float(queued),
             "policy_version": float(self._version),
+            "weight_load_errors": float(self._weight_errors),
         }
 
     def close(self) -> None:
@@ -333,7 +337,12 @@ class ThreadedEngine:
                 return
             self._pending_weights = None
         version, tensors = pw
-        self._apply_weights(tensors)
+        try:
+            self._apply_weights(tensors)
+        except Exception as exc:  # keep serving the old version; the failure is visible in stats
+            self._weight_errors += 1
+            self.last_weight_error = f"version {version}: {type(exc).__name__}: {exc}"
+            return
         self._version = version
 
     def _shutdown(self) -> None:

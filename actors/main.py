@@ -86,7 +86,11 @@ def main(argv: Iterable[str] | None = None) -> int:
 
     import conf
 
-    cfg = conf.load(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = conf.load(list(sys.argv[1:] if argv is None else argv))
+    except conf.ConfigError as exc:
+        print(f"turnscale actor: {exc}", file=sys.stderr)
+        return 2
     setup_process()
     actor = build_actor(cfg)
     return trio.run(actor.run)

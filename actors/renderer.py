@@ -24,6 +24,7 @@ template's own suffix, derived from the same comparison; needs ``messages``).
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -69,10 +70,15 @@ FORMATS = {"chatml": CHATML, "llama3": LLAMA3}
 
 
 class Renderer:
-    """Renders one model's conversations; stateless, shared by concurrent episodes."""
+    """Renders one model's conversations; shared by concurrent episodes (its only state is
+    a bounded memo of template renders)."""
+
+    MEMO_SIZE = 512
 
     def __init__(self, tokenizer: Any, fmt: ChatFormat | None, *, check: bool = True) -> None:
         self.tokenizer = tokenizer
+        self._memo: collections.OrderedDict[tuple, str] = collections.OrderedDict()
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.fmt = fmt
         self.check = check
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -115,10 +121,21 @@ class Renderer:
 
     def encode(self, text: str) -> list[int]:
         """Text (special tokens included) -> ids, without the tokenizer adding anything."""
+        if self._backend is not None:  # the fast tokenizer's own pipeline, minus the wrapper's overhead
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def template_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        """The template's text for ``messages`` (memoised: each turn's full render is the
+        next turn's prefix render, and a group's episodes share their first prompt)."""
+        key = (add_generation_prompt, tuple((m["role"], m["content"]) for m in messages))
+        text = self._memo.get(key)
+        if text is None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            self._memo[key] = text
+            if len(self._memo) > self.MEMO_SIZE:
+                self._memo.popitem(last=False)
+        return text
 
     def initial(self, messages: list[dict]) -> list[int]:
         """The first prompt: ``messages`` (system + first user) and the generation prompt."""

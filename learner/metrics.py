@@ -13,7 +13,8 @@ Key namespaces (cleanrl-style):
   (``rollout/staleness/<k>`` counts, ``rollout/staleness_mean``, ``rollout/staleness_max``);
 - ``env/<name>/`` and ``env/<name>/<category>/``: return and success;
 - ``loss/``: everything the trainer reports (keys without a namespace get ``loss/``);
-- ``perf/``: tokens trained/s, step time, learner busy fraction, groups/s.
+- ``perf/``: tokens trained/s, step time, learner busy fraction, groups/s, and from the
+  actors' heartbeats tokens generated/s and mean engine busy fraction.
 
 Loggers: ``write(step, metrics)`` and ``close()``; ``make_logger`` builds the configured
 set (JSONL ``<dir>/metrics.jsonl``, TensorBoard ``<dir>/tb``, W&B lazily, a console line).

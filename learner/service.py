@@ -153,6 +153,7 @@ class LearnerService:
         self.done = False
         self._have_groups = trio.Event()
         self._last_step_end = time.monotonic()
+        self._generated_seen = 0.0
         self._ctx: zmq.Context | None = None
         self.train_lock = trio.Lock()
         """Held while a step trains, publishes and checkpoints (a signal handler saving a
@@ -298,12 +299,22 @@ class LearnerService:
         m.add("perf/groups_per_s", len(batch) / wall, "last")
         m.add("perf/version", self.version, "last")
         m.add("perf/actors", len(self.actors), "last")
+        self._record_actor_stats(m, wall)
         m.add("perf/leases_in_flight", self.leases.in_flight, "last")
         m.add("rollout/turn_limit", max(g.turn_limit for g in batch), "last")
         m.add("rollout/trained_groups_total", self.trained_groups, "last")
         record_actor_stats(m, [a.stats for a in self.actors.values()])
         self._last_step_end = t1
         self.parts.logger.write(self.step, m.reduce())
+
+    def _record_actor_stats(self, m: StepMetrics, wall: float) -> None:
+        """From the actors' latest heartbeats: generation throughput and engine busy fraction."""
+        total = sum(a.stats.get("tokens_generated", 0.0) for a in self.actors.values())
+        m.add("perf/tokens_generated_per_s", max(0.0, total - self._generated_seen) / wall, "last")
+        self._generated_seen = total
+        busy = [a.stats["engine_busy"] for a in self.actors.values() if "engine_busy" in a.stats]
+        if busy:
+            m.add("perf/actor_engine_busy", sum(busy) / len(busy), "last")
 
     async def _shutdown(self) -> None:
         self.stopping = True

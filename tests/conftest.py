@@ -86,10 +86,13 @@ def tiny_corpus(n: int = 400, seed: int = 0) -> list[str]:
         "inventory search answer <search> </search> <answer> </answer> you see a wall ahead steps "
         "your goal is to done success reward the a of and in on"
     ).split()
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"]
     out = []
     for _ in range(n):
         line = " ".join(rng.choice(words) for _ in range(rng.randint(5, 25)))
         out.append(f"{line} {rng.randint(0, 99999)}.\n{rng.choice(words)}")
+        # pseudo-words give BPE enough distinct merges to reach a ~1024-token vocabulary
+        out.append(" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(9)))
     return out
 
 

@@ -108,9 +108,9 @@ def build_tiny_model(out_dir: str, cfg: TinyModelConfig, corpus: Iterable[str]) 
     """Train the tokenizer on ``corpus``, build a random Qwen2 model, save both to ``out_dir``.
 
     Returns ``out_dir``.  Deterministic for a given ``cfg`` and corpus (torch seeded with
-    ``cfg.seed``; BPE training is deterministic).  The model's vocabulary is
-    ``cfg.vocab_size`` (the tokenizer may learn fewer merges on a small corpus; unused rows
-    are never sampled meaningfully but keep shapes fixed).
+    ``cfg.seed``; BPE training is deterministic).  ``cfg.vocab_size`` is the BPE target; a
+    small corpus may yield fewer tokens, and the model's vocabulary is the tokenizer's
+    actual size, so every id the model can sample is a real token.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -121,7 +121,7 @@ def build_tiny_model(out_dir: str, cfg: TinyModelConfig, corpus: Iterable[str]) 
     tokenizer = build_tokenizer(corpus, cfg.vocab_size, model_max_length=cfg.max_position_embeddings)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen2Config(
-        vocab_size=cfg.vocab_size,
+        vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -165,7 +165,7 @@ def tiny_model_key(cfg: TinyModelConfig, corpus: Iterable[str]) -> str:
     """Hash of the config and the corpus: the cache folder's name."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
     h.update(corpus_fingerprint(corpus).encode())
-    h.update(b"tinymodel-v1")
+    h.update(b"tinymodel-v2")
     return h.hexdigest()[:16]
 
 

@@ -63,6 +63,7 @@ def test_group_streams_match_a_teacher_forced_forward_pass(tiny_model_dir):
     finally:
         engine.close()
     assert not group.failed, group.error
+    assert engine.stats()["prefix_reused_tokens"] > 0  # later turns reused earlier turns' KV
     assert [ep.finish_reason for ep in group.episodes] == ["done", "done", "done", "turn_limit"]
     assert [len(ep.turns) for ep in group.episodes] == [2, 3, 4, 6]
     group = codec.decode(codec.encode(group))

@@ -1,6 +1,7 @@
 """A real learner, two real actors and a real BabyAI envhub, as processes on 127.0.0.1 with
 the tiny model: groups are trained, versions advance, nothing is trained twice, everyone
-exits cleanly on the learner's Shutdown, and a restarted learner resumes where it stopped."""
+exits cleanly on the learner's Shutdown; a restarted learner resumes where it stopped, a
+SIGTERM'd learner checkpoints first, and an actor survives its learner restarting."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_learner_and_two_actors_train_publish_and_resume(tmp_path):
               "learner.groups_per_step=2", "learner.max_staleness=1", f"learner.dir={run_dir}",
               "learner.checkpoint_every=2", "learner.heartbeat_interval_s=1", "logger.tensorboard=false",
               "logger.console_every_s=0", "actor.max_groups=2", "actor.request_timeout_s=10", "actor.shutdown_grace_s=5"]
-    logs = {name: str(tmp_path / f"{name}.log") for name in ("learner", "a1", "a2", "learner2", "a3")}
+    logs = {name: str(tmp_path / f"{name}.log") for name in ("learner", "a1", "a2", "learner2", "learner3", "a3")}
     procs: list[subprocess.Popen] = []
     try:
         with envhub_server("babyai") as env_url:
@@ -84,18 +85,36 @@ def test_learner_and_two_actors_train_publish_and_resume(tmp_path):
             assert "actor a1 registered" in learner_log and "actor a2 registered" in learner_log
             assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step-00000004"))
 
-            # a restarted learner resumes at step 4 / version 4 and trains 2 more steps
-            learner2 = start(["learner", *common, "learner.steps=6", "learner.resume=true"], logs["learner2"])
+            # a restarted learner resumes at step 4 / version 4; SIGTERM checkpoints it mid-run;
+            # a third learner resumes from there, and the same actor feeds both
+            learner2 = start(["learner", *common, "learner.steps=100", "learner.resume=true"], logs["learner2"])
             procs.append(learner2)
             a3 = start(["actor", *common, "actor.actor_id=a3"], logs["a3"])
             procs.append(a3)
-            codes = wait_exit([learner2, a3], 240)
+            deadline = time.monotonic() + 180
+            while read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[-1]["step"] < 6:
+                assert time.monotonic() < deadline and learner2.poll() is None, "learner2 did not reach step 6"
+                time.sleep(0.5)
+            os.kill(learner2.pid, signal.SIGTERM)
+            assert wait_exit([learner2], 60) == [0]
+            steps = [m["step"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+            n = steps[-1]
+            assert steps == list(range(1, n + 1))
+            assert os.path.isdir(os.path.join(run_dir, "checkpoints", f"step-{n:08d}"))  # written on SIGTERM
+            assert "resumed at step 4, version 4" in open(logs["learner2"]).read()
+            time.sleep(1.0)
+            assert a3.poll() is None, "the actor survives its learner going away"
+
+            learner3 = start(["learner", *common, f"learner.steps={n + 2}", "learner.resume=true"], logs["learner3"])
+            procs.append(learner3)
+            codes = wait_exit([learner3, a3], 240)
             assert codes == [0, 0], codes
             metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-            assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
-            assert [m["perf/version"] for m in metrics[4:]] == [4, 5]
-            assert metrics[-1]["rollout/trained_groups_total"] == 12
-            assert "resumed at step 4, version 4" in open(logs["learner2"]).read()
+            assert [m["step"] for m in metrics] == list(range(1, n + 3))
+            assert [m["perf/version"] for m in metrics[n:]] == [n, n + 1]
+            assert metrics[-1]["rollout/trained_groups_total"] == 2 * (n + 2)
+            assert f"resumed at step {n}, version {n}" in open(logs["learner3"]).read()
+            assert open(logs["a3"]).read().count("registered with learner run") == 2
     except BaseException:
         for name, path in logs.items():
             if os.path.exists(path):

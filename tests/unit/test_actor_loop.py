@@ -22,15 +22,27 @@ class FakeEngine:
         self.version = version
 
     def stats(self):
-        return {"engine_busy": 0.5}
+        return {"engine_busy": 0.5, "tokens_generated": 10.0 * len(self.loaded)}
 
     def close(self):
         self.closed = True
 
 
+class CaptureLogger:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, step, metrics):
+        self.rows.append((step, metrics))
+
+    def close(self):
+        pass
+
+
 class FakeEnvClient:
-    def __init__(self, fail_steps=()):
+    def __init__(self, fail_steps=(), step_s=0.001):
         self.n = 0
+        self.step_s = step_s
         self.created, self.closed, self.resets, self.steps = [], [], 0, 0
         self.fail_steps = set(fail_steps)
 
@@ -45,7 +57,7 @@ class FakeEnvClient:
 
     async def step(self, env_id, action):
         self.steps += 1
-        await trio.sleep(0.001)
+        await trio.sleep(self.step_s)
         if self.steps in self.fail_steps:
             raise ConnectionError("env server hiccup")
         return {"observation": "ok", "reward": 1.0, "done": True}
@@ -84,11 +96,11 @@ def make_actor(cfg, env_client, engine):
 
 
 def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
-    cfg = make_cfg(**{"learner.steps": 4, "learner.max_staleness": 1, "actor.max_groups": 2, "learner.heartbeat_interval_s": 0.2})
+    cfg = make_cfg(**{"learner.steps": 4, "learner.max_staleness": 1, "actor.max_groups": 2, "learner.heartbeat_interval_s": 0.05})
     trainer, pub = FakeTrainer(), FakePublisher()
     svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule()))
     svc.linger_s, svc.announce_every_s = 0.5, 0.2
-    env, engine = FakeEnvClient(fail_steps={3}), FakeEngine()
+    env, engine = FakeEnvClient(fail_steps={3}, step_s=0.2), FakeEngine()  # slower than a heartbeat
     actor = make_actor(cfg, env, engine)
 
     async def main():
@@ -100,7 +112,10 @@ def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
                 assert rc == 0
         return rc
 
+    svc.parts.logger = logger = CaptureLogger()
     trio.run(main)
+    assert [st for st, _ in logger.rows] == [1, 2, 3, 4]
+    assert any(m.get("perf/actor_engine_busy") == 0.5 for _, m in logger.rows)  # from heartbeats
     assert trainer.step == 4 and len(trainer.trained) == 8 == len(set(trainer.trained))
     assert engine.loaded[0] == 0 and engine.loaded[-1] >= 3  # pulled new versions mid-run
     assert engine.closed
@@ -192,3 +207,41 @@ def test_actor_abandons_leases_the_learner_no_longer_holds():
     trio.run(main)
     assert actor.stats.groups_abandoned == 1
     assert trainer.step == 1 and len(trainer.trained) == 2  # the re-issued task was played by a new lease
+
+
+def test_killed_actor_loses_nothing_its_leases_expire_and_are_reissued():
+    cfg = make_cfg(**{"learner.steps": 3, "learner.max_staleness": 1, "actor.max_groups": 2,
+                      "learner.heartbeat_interval_s": 0.1, "learner.lease_ttl_s": 1.0})
+    trainer = FakeTrainer()
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.3, 0.2
+    doomed = make_actor(cfg, FakeEnvClient(step_s=60), FakeEngine())  # never finishes a group
+    doomed.actor_id = "doomed"
+    survivor = make_actor(cfg, FakeEnvClient(), FakeEngine())
+    held: list = []
+
+    async def main2():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                kill = trio.CancelScope()
+
+                async def doomed_run():
+                    with kill:
+                        await doomed.run()
+
+                n.start_soon(doomed_run)
+                while doomed.stats.leases_received < 2:
+                    await trio.sleep(0.01)
+                held.extend(r.lease.task for r in svc.leases.live.values() if r.actor_id == "doomed")
+                kill.cancel()  # like SIGKILL: no goodbye, no more heartbeats
+                while svc.leases.in_flight:  # its leases expire after lease_ttl_s without heartbeats
+                    await trio.sleep(0.05)
+                n.start_soon(survivor.run)
+
+    trio.run(main2)
+    assert len(held) == 2
+    assert trainer.step == 3 and len(trainer.trained) == 6 == len(set(trainer.trained))
+    assert all(t in trainer.tasks for t in held)  # the dead actor's tasks were re-issued and trained
+    assert doomed.stats.groups_sent == 0

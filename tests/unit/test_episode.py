@@ -157,3 +157,14 @@ def test_run_group_plays_every_episode_on_its_own_session(tok):
     group = trio.run(main, FakeEngine(tok, ["Action: a"]), session)
     assert group.failed and "env_error" in group.error and len(group.episodes) == 4
     codec.decode(codec.encode(group))
+
+
+def test_template_break_ends_the_episode_as_render_error():
+    from tests.unit.test_renderer import COUNTING_TEMPLATE
+
+    bad = build_tokenizer(tiny_corpus(100), 400, chat_template=COUNTING_TEMPLATE)
+    ep, engine, env = play(bad, ["Action: left"])
+    assert ep.finish_reason == "render_error" and "does not extend" in ep.error and not ep.trainable
+    assert len(ep.turns) == 1 and len(engine.requests) == 1  # no prompt built from a broken template
+    group = TrajectoryGroup(lease_id="l", actor_id="a", task=Task(env="babyai", data_idx=0), turn_limit=5, episodes=[ep], failed=True, error=ep.error)
+    assert codec.decode(codec.encode(group)).episodes[0].finish_reason == "render_error"

@@ -216,6 +216,10 @@ def test_joiner_finishing_on_its_first_token_leaves_the_others_running(engine):
         out[k] = await engine.generate(GenerateRequest(prompt, SamplingParams(top_k=1, max_new_tokens=n)))
 
     async def main():
+        with trio.fail_after(60):  # the bug this guards against lost requests (a hang)
+            await play()
+
+    async def play():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, "long0", ps[0], 30)
             nursery.start_soon(one, "long1", ps[1], 30)
@@ -230,3 +234,46 @@ def test_joiner_finishing_on_its_first_token_leaves_the_others_running(engine):
     assert all(len(out[f"short{k}"].token_ids) == 1 for k in range(6))
     _, ref = teacher_forced(engine.model, ps[1], out["long1"].token_ids, 1.0)
     assert np.abs(ref.numpy() - out["long1"].logprobs).max() < 1e-4
+
+
+def test_next_turn_reuses_the_previous_turns_kv_exactly(tiny_model_dir):
+    eng = HFEngine(EngineConfig(max_batch=8), tiny_model_dir)
+    cold = HFEngine(EngineConfig(max_batch=8), tiny_model_dir, prefix_cache_tokens=0)
+    ps = prompts(3, seed=21)
+    sp = SamplingParams(temperature=0.9, max_new_tokens=15)
+
+    async def batch(e, reqs):
+        out = [None] * len(reqs)
+
+        async def one(i):
+            out[i] = await e.generate(reqs[i])
+
+        async with trio.open_nursery() as n:
+            for i in range(len(reqs)):
+                n.start_soon(one, i)
+        return out
+
+    try:
+        first = trio.run(batch, eng, [GenerateRequest(p, sp, seed=i) for i, p in enumerate(ps)])
+        # turn 2: each prompt extends turn 1 (prompt + sampled + an observation delta), plus a fresh prompt
+        nxt = [p + r.token_ids.tolist() + [5, 6, 7 + i] for i, (p, r) in enumerate(zip(ps, first))] + [prompts(1, seed=22)[0]]
+        reqs = [GenerateRequest(q, sp, seed=10 + i) for i, q in enumerate(nxt)]
+        before = eng.stats()["prefix_reused_tokens"]
+        warm = trio.run(batch, eng, reqs)
+        assert eng.stats()["prefix_reused_tokens"] - before >= sum(len(p) + 14 for p in ps)
+        ref = trio.run(batch, cold, reqs)
+        assert cold.stats()["prefix_reused_tokens"] == 0
+        for q, w, c in zip(nxt, warm, ref):
+            assert w.token_ids.tolist() == c.token_ids.tolist()
+            _, tf = teacher_forced(eng.model, q, w.token_ids, sp.temperature)
+            assert np.abs(tf.numpy() - w.logprobs).max() < 1e-4
+        # a weight swap empties the cache: nothing computed by old weights seeds a new request
+        eng.load_weights(1, perturbed(eng.model, 1.0))
+        trio.run(batch, eng, [GenerateRequest([1, 2], SamplingParams(max_new_tokens=1))])
+        assert eng.stats()["prefix_cache_entries"] <= 1
+        reused = eng.stats()["prefix_reused_tokens"]
+        trio.run(batch, eng, [GenerateRequest(nxt[0] + warm[0].token_ids.tolist() + [9], sp)])
+        assert eng.stats()["prefix_reused_tokens"] == reused
+    finally:
+        eng.close()
+        cold.close()
