@@ -299,7 +299,7 @@ def compare(tag: str, a: Outcome, s: Outcome, target: float | None, efficiency_t
     out = [
         result(f"async_vs_sync_{tag}", a.stats.groups_per_s, "groups/s", f"sync lock-step (max_staleness=0), {s.spec.actors} actors",
                s.stats.groups_per_s, target=target),
-        result(f"async_vs_sync_{tag}_tokens", a.stats.tokens_per_s, "gen tokens/s", "sync lock-step", s.stats.tokens_per_s),
+        result(f"async_vs_sync_{tag}_tokens", a.stats.tokens_per_s, "sampled tokens/s", "sync lock-step", s.stats.tokens_per_s),
     ]
     speedup = a.stats.groups_per_s / s.stats.groups_per_s if s.stats.groups_per_s > 0 else float("nan")
     best, _, _ = ideal(s, a)
