@@ -247,11 +247,15 @@ class LearnerConfig:
     save_trajectories: bool = True
     sft_data: str = ""
     """``algo=sft``: conversations JSONL to train on offline (``learner/sft_data.py``); no actors."""
+    debug_step_delay_s: float = 0.0
+    """Tests and benchmarks only: sleep this long before every optimizer step (a slow learner,
+    to exercise admission control and backpressure).  0 in real runs."""
 
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0, "learner.max_staleness", "must be >= 0")
         _require(self.groups_per_step > 0, "learner.groups_per_step", "must be > 0")
         _require(self.publish_every > 0, "learner.publish_every", "must be > 0")
+        _require(self.debug_step_delay_s >= 0, "learner.debug_step_delay_s", "must be >= 0")
         _require(self.transfer_dtype in ("float32", "bfloat16", "float16"), "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 
 

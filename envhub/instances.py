@@ -1,7 +1,10 @@
 """The instance table of one env server: ids, per-instance locks, limits, idle expiry, metrics.
 
 Invariants:
-- Ids come from a counter starting at 0 and are never reused within a process.
+- Ids come from a counter and are never reused within a process.  The counter starts at a
+  random multiple of 1024 below 2**30 (``first_id`` fixes it), so a restarted server does not
+  hand out the ids of the instances its predecessor's clients still hold: their requests
+  get 404 instead of driving another client's new instance.
 - Every env call on an instance runs while holding that instance's ``asyncio.Lock``, in a
   worker thread (so different ids run in parallel and one id is serialised).
 - An instance is in exactly one state: ``new`` (created, not reset), ``running``, ``done``
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,7 +80,8 @@ class Latency:
 class InstanceTable:
     """All instances of one server process; every public method runs on the event loop."""
 
-    def __init__(self, family: EnvFamily, *, max_instances: int, idle_timeout_s: float, max_env_steps: int = 0, threads: int = 32) -> None:
+    def __init__(self, family: EnvFamily, *, max_instances: int, idle_timeout_s: float, max_env_steps: int = 0, threads: int = 32,
+                 first_id: int | None = None) -> None:
         self.family = family
         self.max_instances = max_instances
         self.idle_timeout_s = idle_timeout_s
@@ -84,7 +89,7 @@ class InstanceTable:
         self.instances: dict[int, Instance] = {}
         self.gone: collections.OrderedDict[int, str] = collections.OrderedDict()
         """Recently closed/expired ids -> ``closed`` | ``expired`` (bounded)."""
-        self.next_id = 0
+        self.next_id = secrets.randbelow(1 << 20) << 10 if first_id is None else first_id
         self.pending_creates = 0
         """Creations awaiting ``family.create`` (they count against the limit)."""
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")

@@ -107,6 +107,9 @@ class LeaseManager:
     _counter: int = 0
     _finished: "OrderedDict[str, str]" = field(default_factory=OrderedDict)
     """lease id -> ``received`` | ``expired``."""
+    _unreported: list[Lease] = field(default_factory=list)
+    """Expired leases not yet handed to ``take_expired`` (expiry also happens inside
+    ``grant``, ``heartbeat`` and ``intake``; the service reports all of them once)."""
 
     # ------------------------------------------------------------------ admission
     @property
@@ -162,7 +165,13 @@ class LeaseManager:
         for lease in gone:
             self._retire(lease.lease_id, "expired")
             self.stream.reissue(lease.task)
+        self._unreported += gone
         return gone
+
+    def take_expired(self) -> list[Lease]:
+        """Every lease expired since the last call, by whichever call expired it (oldest first)."""
+        out, self._unreported = self._unreported, []
+        return out
 
     def release_actor(self, actor_id: str) -> list[Lease]:
         """An actor left (Goodbye) or re-registered: its leases end and their tasks are re-issued."""

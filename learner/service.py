@@ -248,7 +248,8 @@ class LearnerService:
         while True:
             await trio.sleep(period)
             now = trio.current_time()
-            for lease in self.leases.expire(now):
+            self.leases.expire(now)
+            for lease in self.leases.take_expired():
                 self.metrics.add("rollout/leases_expired", 1, "sum")
                 log.info("lease %s (task %s) expired; re-issued", lease.lease_id, lease.task.data_idx)
             silent = max(3 * self.cfg.learner.heartbeat_interval_s, self.cfg.learner.lease_ttl_s)
@@ -266,6 +267,8 @@ class LearnerService:
                 await self._have_groups.wait()
             batch, self.buffer = self.buffer[:gps], self.buffer[gps:]
             async with self.train_lock:
+                if lc.debug_step_delay_s > 0:
+                    await trio.sleep(lc.debug_step_delay_s)  # tests/benchmarks: a slow learner
                 await self._train_one(batch)
                 if self.step % lc.publish_every == 0:
                     await self._publish_weights(self.version + 1)
@@ -399,6 +402,9 @@ class LearnerService:
         if self.stopping or msg.max_leases < 1:
             return LeaseGrant(leases=[], retry_after_s=1.0)
         leases = self.leases.grant(msg.actor_id, msg.max_leases, now)
+        for lease in leases:
+            log.info("lease %s (task %s, turn limit %d, version %d) granted to actor %s", lease.lease_id,
+                     lease.task.data_idx, lease.turn_limit, lease.policy_version, msg.actor_id)
         return LeaseGrant(leases=leases, retry_after_s=0.0 if len(leases) == msg.max_leases else 0.5)
 
     def _group(self, group: TrajectoryGroup, now: float) -> Any:

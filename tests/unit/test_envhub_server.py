@@ -161,3 +161,26 @@ def test_concurrent_creates_respect_the_instance_limit():
         await table.close_all()
 
     asyncio.run(main())
+
+
+def test_a_restarted_server_does_not_reuse_its_predecessors_instance_ids():
+    import asyncio
+
+    from envhub.instances import ApiError, InstanceTable
+
+    async def main():
+        old = InstanceTable(FakeFamily(), max_instances=8, idle_timeout_s=60)
+        held = [await old.create() for _ in range(4)]  # ids a client still holds when the server dies
+        await old.close_all()
+        new = InstanceTable(FakeFamily(), max_instances=8, idle_timeout_s=60)
+        fresh = [await new.create() for _ in range(4)]
+        assert not set(held) & set(fresh)
+        with pytest.raises(ApiError) as err:
+            await new.reset(held[0], 0)
+        assert err.value.status == 404
+        fixed = InstanceTable(FakeFamily(), max_instances=8, idle_timeout_s=60, first_id=7)
+        assert [await fixed.create(), await fixed.create()] == [7, 8]
+        for t in (new, fixed):
+            await t.close_all()
+
+    asyncio.run(main())

@@ -52,6 +52,18 @@ def test_expired_lease_is_reissued_with_same_task_new_id():
     assert l2.task == l1.task and l2.lease_id != l1.lease_id
 
 
+def test_every_expiry_is_reported_once_whichever_call_expired_it():
+    m = manager(ttl_s=5.0)
+    l1, l2, l3 = m.grant("a", 3, now=0)
+    m.heartbeat("a", [l3.lease_id], now=4)  # l3 lives until 9
+    (l4,) = m.grant("b", 1, now=6)  # expiring l1 and l2 inside grant, not through expire()
+    assert l4.task == l1.task
+    assert m.take_expired() == [l1, l2]
+    assert m.take_expired() == []
+    assert not m.intake(make_group(l3), now=9.5).accepted  # expired inside intake
+    assert m.take_expired() == [l3]
+
+
 def test_heartbeat_renews_deadline_and_names_unknown_leases():
     m = manager(ttl_s=5.0)
     (l1,) = m.grant("a", 1, now=0)
