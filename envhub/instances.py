@@ -205,6 +205,14 @@ class InstanceTable:
             raise ApiError(501, "no_expert", f"env {self.family.name!r} has no expert; GET /expert is not available")
         return await self._run(inst, "expert", fn)
 
+    async def action_hint(self, env_id: int) -> dict:
+        """AgentGym's valid-action hints (envs with an ``action_hint()`` method only: else 501)."""
+        inst = self._get(env_id)
+        fn = getattr(inst.env, "action_hint", None)
+        if fn is None:
+            raise ApiError(501, "no_action_hint", f"env {self.family.name!r} has no action hints; GET /action_hint is not available")
+        return await self._run(inst, "action_hint", fn)
+
     async def close(self, env_id: int) -> None:
         """Idempotent for any id this server handed out; 404 for ids it never did."""
         if env_id in self.gone:

@@ -10,6 +10,8 @@ Routes (JSON in, JSON out):
 - ``POST /step {"id" | "env_idx", "action"}`` -> ``{"observation", "reward", "done",
   "truncated", "info", ...extra}`` (``extra`` holds AgentGym fields such as ``score``)
 - ``GET /observation?id=`` -> the observation as a JSON string (AgentGym's shape)
+- ``GET /action_hint?id=`` -> AgentGym's ``{"possible_actions", "possible_objects"}`` (SciWorld;
+  501 for envs without hints).
 - ``GET /expert?id=`` -> ``{"action": str}``: the env's expert next action (envs that have
   one, e.g. BabyAI's oracle; others answer 501)
 - ``POST /close {"id" | "env_idx"}`` -> ``true`` (idempotent for every id this server issued)
@@ -156,6 +158,13 @@ async def expert(request: Request) -> Response:
     return _json({"action": await _table(request).expert(instance_id(query))})
 
 
+async def action_hint(request: Request) -> Response:
+    query = dict(request.query_params)
+    if "id" not in query and "env_idx" not in query:
+        raise ApiError(422, "missing_field", "missing query parameter 'id'")
+    return _json(await _table(request).action_hint(instance_id(query)))
+
+
 async def close(request: Request) -> Response:
     data = await _body(request)
     await _table(request).close(instance_id(data))
@@ -191,7 +200,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal", f"internal server error ({type(exc).__name__}); see the server log")
 
 
-_PATHS = frozenset({"/create", "/reset", "/step", "/observation", "/expert", "/close", "/health", "/", "/metrics"})
+_PATHS = frozenset({"/create", "/reset", "/step", "/observation", "/expert", "/action_hint", "/close", "/health", "/", "/metrics"})
 
 
 class _Timing:
@@ -237,6 +246,7 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
         Route("/observation", observation, methods=["GET"]),
         Route("/close", close, methods=["POST"]),
         Route("/expert", expert, methods=["GET"]),
+        Route("/action_hint", action_hint, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -90,6 +90,8 @@ def test_sciworld_fields_and_shared_jvm_over_http():
         assert r["observation"].startswith(r["task_description"])
         s = c.post("/step", json={"id": a, "action": "open door to kitchen"}).json()
         assert set(s) >= {"observation", "reward", "score", "done", "truncated", "info"} and not s["done"]
+        hint = c.get("/action_hint", params={"id": a}).json()
+        assert "focus on OBJ" in hint["possible_actions"] and hint["possible_objects"]
         busy = c.post("/reset", json={"id": b, "data_idx": 1})  # the only JVM is a's: PoolExhausted after 1 s
         assert busy.status_code == 500 and busy.json()["error"]["code"] == "env_error" and "Traceback" not in busy.text
         c.post("/close", json={"id": a})

@@ -184,3 +184,11 @@ def test_a_restarted_server_does_not_reuse_its_predecessors_instance_ids():
             await t.close_all()
 
     asyncio.run(main())
+
+
+def test_env_without_action_hints_answers_501(client):
+    i = client.post("/create").json()["id"]
+    client.post("/reset", json={"id": i, "data_idx": 0})
+    r = client.get(f"/action_hint?id={i}")
+    assert r.status_code == 501 and r.json()["error"]["code"] == "no_action_hint"
+    assert client.get("/action_hint").status_code == 422
