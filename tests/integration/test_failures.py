@@ -269,7 +269,8 @@ def test_sigkilled_learner_resumes_from_checkpoint_and_actors_reconnect(cluster_
         c.start_envhub()
         l1 = c.start_learner()
         a1, a2 = c.start_actor("a1"), c.start_actor("a2")
-        c.wait("step 3", lambda: c.step() >= 3, 150)
+        # metrics are written before the step's checkpoint: wait for the checkpoint itself
+        c.wait("checkpoint of step 3", lambda: max(checkpoints(c.dir / "checkpoints"), default=0) >= 3, 150)
         l1.kill()
         before = c.metrics()
         trajs1 = c.trajs()
