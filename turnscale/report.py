@@ -81,7 +81,12 @@ def write_plots(run_dir: Path, rows: list[dict] | None = None) -> list[Path]:
         fig, axes = plt.subplots(len(data), 1, figsize=(7, 2.6 * len(data)), sharex=True, squeeze=False)
         for ax, (label, xs, ys, key) in zip(axes[:, 0], data):
             _shade_stages(ax, rows)
-            ax.plot(xs, ys, lw=1.5)
+            ax.plot(xs, ys, lw=1, alpha=0.45, label="per step")
+            if len(ys) >= 10:
+                w = max(3, len(ys) // 10)
+                smooth = [sum(ys[max(0, i - w + 1): i + 1]) / len(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+                ax.plot(xs, smooth, lw=2, label=f"mean of last {w}")
+                ax.legend(fontsize=7, loc="lower right")
             ax.set_ylabel(label)
             ax.set_title(key, fontsize=8, loc="right")
             ax.grid(alpha=0.3)
