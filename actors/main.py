@@ -10,7 +10,6 @@ env sessions through ``envhub.client.EnvClient``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Iterable
 
@@ -68,19 +67,6 @@ def build_actor(cfg: Config) -> Any:
     return actor
 
 
-def setup_process() -> None:
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> dumps every thread's stack
-    logging.basicConfig(level=os.environ.get("TURNSCALE_LOG", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if os.environ.get("OMP_NUM_THREADS"):
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-
 def main(argv: Iterable[str] | None = None) -> int:
     import trio
 
@@ -91,6 +77,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     except conf.ConfigError as exc:
         print(f"turnscale actor: {exc}", file=sys.stderr)
         return 2
+    from turnscale.procs import setup_process
+
     setup_process()
     actor = build_actor(cfg)
     return trio.run(actor.run)

@@ -152,19 +152,6 @@ async def _stop_on_signal(scope: Any, service: Any) -> None:
             return
 
 
-def setup_process() -> None:
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> dumps every thread's stack
-    logging.basicConfig(level=os.environ.get("TURNSCALE_LOG", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if os.environ.get("OMP_NUM_THREADS"):
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-
 def main(argv: Iterable[str] | None = None) -> int:
     import trio
 
@@ -175,5 +162,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except conf.ConfigError as exc:
         print(f"turnscale learner: {exc}", file=sys.stderr)
         return 2
+    from turnscale.procs import setup_process
+
     setup_process()
     return trio.run(run, cfg)

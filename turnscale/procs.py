@@ -134,3 +134,19 @@ def wait_http_ok(url: str, timeout_s: float, child: Child | None = None) -> None
             pass
         time.sleep(0.2)
     raise ChildFailed(f"{url} not ready after {timeout_s:.0f}s" + (f":\n{child.tail()}" if child else ""))
+
+
+def setup_process() -> None:
+    """Common start of a role process (learner, actor): ``kill -USR1 <pid>`` dumps every
+    thread's stack, logging to stderr at ``$TURNSCALE_LOG`` (INFO), and torch limited to
+    ``$OMP_NUM_THREADS`` threads when that is set (tests and CI set it to 1)."""
+    import faulthandler
+    import logging
+
+    faulthandler.register(signal.SIGUSR1)
+    logging.basicConfig(level=os.environ.get("TURNSCALE_LOG", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
