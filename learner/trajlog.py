@@ -47,10 +47,8 @@ from protocol.messages import Episode, TrajectoryGroup
 Decode = Callable[[list[int]], str]
 
 
-def episode_record(group: TrajectoryGroup, i: int, ep: Episode, *, step: int, version: int, accepted: bool,
-                   drop_reason: str, decode: Decode | None, lease_s: float = -1.0) -> dict[str, Any]:
-    """The JSON-ready record of one episode (see the module docstring)."""
-    ids = np.asarray(ep.token_ids)
+def turn_records(ep: Episode) -> list[dict[str, Any]]:
+    """The ``turns`` list of an episode record, with each turn's behaviour log-prob summary."""
     lps = np.asarray(ep.logprobs, dtype=np.float64)
     turns = []
     for t in ep.turns:
@@ -63,6 +61,14 @@ def episode_record(group: TrajectoryGroup, i: int, ep: Episode, *, step: int, ve
             "logprob_mean": float(seg.mean()) if len(seg) else 0.0,
             "logprob_min": float(seg.min()) if len(seg) else 0.0,
         })
+    return turns
+
+
+def episode_record(group: TrajectoryGroup, i: int, ep: Episode, *, step: int, version: int, accepted: bool,
+                   drop_reason: str, decode: Decode | None, lease_s: float = -1.0) -> dict[str, Any]:
+    """The JSON-ready record of one episode (see the module docstring)."""
+    ids = np.asarray(ep.token_ids)
+    turns = turn_records(ep)
     return {
         "step": step, "version": version, "lease_id": group.lease_id, "actor_id": group.actor_id,
         "env": group.task.env, "data_idx": group.task.data_idx, "task_id": group.task.task_id,

@@ -55,17 +55,9 @@ class SessionPool(Protocol):
 def episode_record(ep: Any, *, checkpoint: str, env: str, data_idx: int, split: str, category: str, sample: int,
                    decode: Callable[[list[int]], str] | None) -> dict:
     """One played episode in the learner's ``trajectories.jsonl`` format, plus ``checkpoint`` and ``sample``."""
-    lps = np.asarray(ep.logprobs, dtype=np.float64)
-    turns = []
-    for t in ep.turns:
-        seg = lps[t.token_start:t.token_end]
-        turns.append({
-            "index": t.index, "output_text": t.output_text, "action": t.action, "parse_error": t.parse_error,
-            "observation": t.observation, "reward": t.reward, "done": t.done, "policy_version": t.policy_version,
-            "gen_latency_s": round(t.gen_latency_s, 6), "env_latency_s": round(t.env_latency_s, 6),
-            "num_tokens": int(t.token_end - t.token_start),
-            "logprob_mean": float(seg.mean()) if len(seg) else 0.0, "logprob_min": float(seg.min()) if len(seg) else 0.0,
-        })
+    from learner.trajlog import turn_records
+
+    turns = turn_records(ep)
     ids = np.asarray(ep.token_ids)
     return {
         "checkpoint": checkpoint, "sample": sample, "step": 0, "version": 0, "lease_id": "", "actor_id": "eval",
