@@ -132,10 +132,14 @@ def test_actor_survives_learner_restart():
     actor = make_actor(cfg, env, engine)
     trainers = []
 
-    def service():
+    def service(steps):
+        import copy
+
+        c = copy.deepcopy(cfg)
+        c.learner.steps = steps  # the first learner must not finish (and publish Shutdown) before it "dies"
         t = FakeTrainer()
         trainers.append(t)
-        s = LearnerService(cfg, ServiceParts(trainer=t, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+        s = LearnerService(c, ServiceParts(trainer=t, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
         s.linger_s, s.announce_every_s = 0.5, 0.2
         return s
 
@@ -143,7 +147,7 @@ def test_actor_survives_learner_restart():
         with trio.fail_after(60):
             async with trio.open_nursery() as n:
                 n.start_soon(actor.run)
-                first = service()
+                first = service(1000)
                 cs = trio.CancelScope()
 
                 async def first_run():
@@ -157,7 +161,7 @@ def test_actor_survives_learner_restart():
                 cs.cancel()  # the learner "dies" (sockets closed)
                 await trio.sleep(1.0)
                 assert not actor.stopping
-                second = service()
+                second = service(2)
                 await second.serve()  # runs to its end; the actor must reconnect and feed it
 
     trio.run(main)
