@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -252,6 +254,7 @@ def run(cfg: Config) -> int:
     launcher = Launcher(cfg)
     say = launcher.say
     say(f"turnscale run -> {launcher.dir}")
+    previous = _exit_on_signals()
     try:
         files, sft_path, model_path = launcher.prepare()
         warm_model = launcher.warm_start(model_path, sft_path) if cfg.run.warm_start.steps > 0 else model_path
@@ -286,7 +289,26 @@ def run(cfg: Config) -> int:
         print(f"turnscale run: {exc}", file=sys.stderr)
         return 1
     finally:
+        for sig in previous:  # a second signal must not interrupt the clean-up below
+            signal.signal(sig, signal.SIG_IGN)
         launcher.procs.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_on_signals() -> dict[int, Any]:
+    """SIGTERM and SIGHUP (``kill``, ``timeout``, a batch scheduler, a closed terminal) end
+    the run through its ``finally``, which stops every child by pid; Python's default would
+    exit at once and leave them running.  Returns the handlers replaced (none off the main
+    thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame: Any) -> None:
+        print(f"turnscale run: {signal.Signals(signum).name}; stopping the envhub, learner and actors", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def main(argv: Sequence[str] = ()) -> int:

@@ -24,6 +24,39 @@ class ChildFailed(RuntimeError):
     """A child exited when it should be running, or never became ready."""
 
 
+def _load_prctl():
+    """``prctl`` from libc, loaded in the parent: a ``preexec_fn`` runs between fork and
+    exec, where importing or loading libraries is unsafe.  ``None`` off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: the kernel SIGTERMs the child when the thread that started it exits
+    -- even by SIGKILL, which no handler in the launcher can see.  Children are in their
+    own sessions (a terminal's Ctrl-C reaches only the launcher), so without this a killed
+    launcher would leave its learner, actors and envhub running.  Start children from the
+    thread that lives as long as they should (every caller here uses the main thread)."""
+
+    def preexec() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 @dataclass
 class Child:
     name: str
@@ -98,6 +131,7 @@ class ProcessGroup:
             stdin=subprocess.DEVNULL,
             env=child_env(env),
             start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
         )
         log.close()
         child = Child(name, popen, log_path)
