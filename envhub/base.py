@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+class EnvBusy(Exception):
+    """The env cannot serve this call now because a shared resource is exhausted (e.g. every
+    SciWorld JVM is in use).  Nothing is wrong with the instance: the server answers 503
+    with a ``Retry-After`` header and leaves the instance usable (a failed ``reset`` leaves
+    it with no episode), so the client may retry the same call later."""
+
+
 @dataclass
 class StepResult:
     observation: str

@@ -73,6 +73,11 @@ class EnvNotFound(EnvHTTPError):
     """404: the instance id is unknown, closed or expired (create a new one)."""
 
 
+class EnvBusyError(EnvHTTPError):
+    """503 ``busy``: the server could not run the call now (e.g. every SciWorld JVM in use);
+    the call was not applied and the instance is still usable."""
+
+
 @dataclass(frozen=True)
 class ResetReply:
     observation: str
@@ -324,7 +329,7 @@ def _decode(status: int, data: bytes, path: str) -> Any:
             code, message = "http_error", str(body["detail"])[:500]
         else:
             code, message = "http_error", data[:500].decode("utf-8", "replace")
-        cls = EnvNotFound if status == 404 else EnvHTTPError
+        cls = {404: EnvNotFound, 503: EnvBusyError}.get(status, EnvHTTPError)
         raise cls(status, code, message)
     if isinstance(body, dict) and "error" in body and len(body) <= 2 and "observation" not in body:
         err = body["error"]  # AgentGym: HTTP 200 with {"error": "..."}

@@ -25,19 +25,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from envhub.base import Env, EnvFamily, ResetResult, StepResult
+from envhub.base import Env, EnvBusy, EnvFamily, ResetResult, StepResult
 
 log = logging.getLogger("envhub")
 
+BUSY_RETRY_AFTER_S = 5
+"""``Retry-After`` of a 503 ``busy`` answer (``EnvBusy``)."""
+
 
 class ApiError(Exception):
-    """An error the server answers with ``status`` and ``{"error": {"code", "message"}}``."""
+    """An error the server answers with ``status`` and ``{"error": {"code", "message"}}``
+    (plus a ``Retry-After`` header when ``retry_after_s`` is set)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -124,7 +129,8 @@ class InstanceTable:
         return ApiError(410, "broken", f"env instance {inst.id} failed with an internal error and cannot continue; close it (POST /close) and create a new one")
 
     async def _run(self, inst: Instance, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one env call on ``inst`` under its lock; an exception marks it broken (500)."""
+        """Run one env call on ``inst`` under its lock; an exception marks it broken (500),
+        except ``EnvBusy`` (503, the instance stays usable)."""
         inst.users += 1
         try:
             async with inst.lock:
@@ -138,6 +144,11 @@ class InstanceTable:
                     out = await self._call(fn, *args)
                 except ApiError:
                     raise
+                except EnvBusy as exc:  # temporary: the instance stays usable
+                    if kind == "reset":  # the old episode was given up before the resource ran out
+                        inst.state = "new"
+                    log.warning("env instance %d: %s refused: %s", inst.id, kind, exc)
+                    raise ApiError(503, "busy", f"env instance {inst.id}: {kind} cannot run now: {exc}; retry later", retry_after_s=BUSY_RETRY_AFTER_S) from None
                 except Exception as exc:  # the env failed: never leak the trace to the client
                     inst.state = "broken"
                     log.exception("env instance %d: %s failed", inst.id, kind)

@@ -10,7 +10,8 @@ live in a pool of at most ``jvm_pool`` JVMs shared by every instance of the serv
 reused across episodes and instances, never started per episode.  An ``Env`` borrows a JVM at
 ``reset`` and gives it back when the episode ends (done), at the next ``reset`` (then borrows
 again, usually the same one) and at ``close``.  So at most ``jvm_pool`` episodes run at once; a
-``reset`` waits up to ``jvm_wait_s`` for a free JVM, then raises ``PoolExhausted``.  A JVM that
+``reset`` waits up to ``jvm_wait_s`` for a free JVM, then raises ``PoolExhausted`` (an
+``EnvBusy``: the server answers 503 and the instance stays usable).  A JVM that
 fails is closed and dropped from the pool (a new one starts when next needed).
 
 Step: the package's ``step()`` lists every valid action (300-400) after every move, which is
@@ -45,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from envhub.base import ResetResult, StepResult
+from envhub.base import EnvBusy, ResetResult, StepResult
 from envhub.options import read_options
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ class SciWorldError(RuntimeError):
     """The simulator failed (its JVM is dropped from the pool)."""
 
 
-class PoolExhausted(SciWorldError):
-    """No JVM became free within ``jvm_wait_s``: raise ``env.options.jvm_pool`` or run fewer episodes."""
+class PoolExhausted(SciWorldError, EnvBusy):
+    """No JVM became free within ``jvm_wait_s``: raise ``env.options.jvm_pool`` or run fewer
+    episodes.  The server answers 503 ``busy`` and the instance stays usable."""
 
 
 @dataclass(frozen=True)

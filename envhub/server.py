@@ -21,8 +21,10 @@ Routes (JSON in, JSON out):
 Errors are real status codes with ``{"error": {"code", "message"}}``: 404 unknown / closed /
 expired id or route, 405 wrong method, 413 body too large, 422 malformed body or missing
 field, 409 step before reset or after the episode ended, 410 instance broken by an earlier
-internal error, 429 instance limit, 501 no expert for this env, 500 internal failure (instance marked broken).  No stack
-trace is ever sent; the server logs it.
+internal error, 429 instance limit, 501 no expert for this env, 503 busy (``EnvBusy``: a
+shared resource such as the SciWorld JVM pool is exhausted; ``Retry-After`` is set and the
+instance stays usable), 500 internal failure (instance marked broken).  No stack trace is
+ever sent; the server logs it.
 """
 
 from __future__ import annotations
@@ -184,7 +186,10 @@ async def metrics(request: Request) -> Response:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     request.app.state.table.errors[exc.code] += 1
-    return error_response(exc.status, exc.code, exc.message)
+    resp = error_response(exc.status, exc.code, exc.message)
+    if exc.retry_after_s is not None:
+        resp.headers["Retry-After"] = str(exc.retry_after_s)
+    return resp
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

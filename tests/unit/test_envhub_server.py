@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from envhub.base import ResetResult, StepResult
+from envhub.base import EnvBusy, ResetResult, StepResult
+from envhub.client import EnvBusyError
+from envhub.client import _decode as client_decode
 from envhub.main import rewrite_overrides
 from envhub.server import create_app
 
@@ -19,12 +21,16 @@ class FakeEnv:
         self.idx = -1
 
     def reset(self, data_idx):
+        if data_idx == 9:
+            raise EnvBusy("every worker is in use (raise fake.workers)")
         self.n, self.idx = 0, data_idx
         return ResetResult(f"task {data_idx}", {"category": "fake"}, {"score": 0.0})
 
     def step(self, action):
         if action == "explode":
             raise RuntimeError("secret internal detail")
+        if action == "wait":
+            raise EnvBusy("the simulator is saturated")
         self.n += 1
         done = action == "finish"
         return StepResult(f"{self.idx}:{self.n}:{action}", 1.0 if done else 0.0, done, False, {"success": done}, {"score": float(done)})
@@ -72,6 +78,24 @@ def test_internal_failure_is_500_without_trace_then_instance_is_broken(client):
         assert r.status_code == 410 and "close it" in r.json()["error"]["message"]
     assert client.post("/close", json={"id": i}).json() is True
     assert client.post("/step", json={"id": i, "action": "x"}).status_code == 404
+
+
+def test_busy_env_is_503_with_retry_after_and_the_instance_stays_usable(client):
+    i = client.post("/create").json()["id"]
+    client.post("/reset", json={"id": i, "data_idx": 0})
+    r = client.post("/step", json={"id": i, "action": "wait"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "busy" and r.headers["Retry-After"] == "5"
+    assert "saturated" in r.json()["error"]["message"] and "Traceback" not in r.text
+    with pytest.raises(EnvBusyError, match="HTTP 503 busy"):  # what our client makes of it
+        client_decode(r.status_code, r.content, "/step")
+    assert client.post("/step", json={"id": i, "action": "go"}).json()["observation"] == "0:1:go"  # episode intact
+    r = client.post("/reset", json={"id": i, "data_idx": 9})
+    assert r.status_code == 503 and "raise fake.workers" in r.json()["error"]["message"]
+    # the old episode was given up: no step until a reset succeeds, which it then does
+    assert client.post("/step", json={"id": i, "action": "go"}).status_code == 409
+    assert client.post("/reset", json={"id": i, "data_idx": 1}).status_code == 200
+    assert client.post("/step", json={"id": i, "action": "go"}).json()["observation"] == "1:1:go"
+    assert client.get("/metrics").json()["errors"]["busy"] == 2
 
 
 def test_searchqa_shape_env_idx_names_instance_and_id_names_task(client):
