@@ -32,6 +32,8 @@ from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 import numpy as np
 
+from turnscale.procs import stop_process
+
 
 class EvalNotBuilt(RuntimeError):
     """A piece the running part of ``turnscale eval`` needs is not available in this build."""
@@ -213,12 +215,7 @@ def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0) -> It
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        stop_process(proc)
 
 
 def _require_client() -> None:

@@ -78,17 +78,23 @@ class Child:
 
     def stop(self, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
         """Signal the child by pid and wait up to ``grace_s``; SIGKILL if it is still there."""
-        if self.alive():
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.popen.wait(timeout=10)
-        return self.popen.returncode
+        return stop_process(self.popen, grace_s, sig)
+
+
+def stop_process(popen: subprocess.Popen, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
+    """Send ``sig`` to a process we started (by its pid), wait up to ``grace_s``, then SIGKILL
+    it; returns its exit status.  A process that already exited is only reaped."""
+    if popen.poll() is None:
+        try:
+            os.kill(popen.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=10)
+    return popen.returncode
 
     def kill(self) -> None:
         """SIGKILL now (failure-injection tests)."""

@@ -12,6 +12,7 @@ from typing import Iterator
 import httpx
 
 from tests.envhub_proc import free_port
+from turnscale.procs import stop_process
 
 __all__ = ["free_port", "serve"]
 
@@ -35,9 +36,4 @@ def serve(args: list[str], health_url: str, timeout_s: float = 60.0) -> Iterator
             time.sleep(0.1)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc, 10)

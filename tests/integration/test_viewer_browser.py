@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.sample_runs import write_run_dir
+from turnscale.procs import stop_process
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/setup.sh installs it as root)")
@@ -49,12 +50,7 @@ def start_viewer(path: Path) -> tuple[subprocess.Popen, str]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    stop_process(proc, 10)
 
 
 @pytest.fixture()
