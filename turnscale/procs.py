@@ -80,6 +80,12 @@ class Child:
         """Signal the child by pid and wait up to ``grace_s``; SIGKILL if it is still there."""
         return stop_process(self.popen, grace_s, sig)
 
+    def kill(self) -> None:
+        """SIGKILL now (failure-injection tests)."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
 
 def stop_process(popen: subprocess.Popen, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
     """Send ``sig`` to a process we started (by its pid), wait up to ``grace_s``, then SIGKILL
@@ -95,12 +101,6 @@ def stop_process(popen: subprocess.Popen, grace_s: float = 15.0, sig: int = sign
             popen.kill()
             popen.wait(timeout=10)
     return popen.returncode
-
-    def kill(self) -> None:
-        """SIGKILL now (failure-injection tests)."""
-        if self.alive():
-            os.kill(self.pid, signal.SIGKILL)
-            self.popen.wait(timeout=10)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
