@@ -55,6 +55,12 @@ class EngineClosed(EngineError):
     """``generate`` was called on (or was running when) the engine closed."""
 
 
+class EngineBroken(EngineError):
+    """The engine can no longer vouch for its weights (e.g. a swap failed half-way and the
+    previous weights could not be restored): it refuses every request until it is rebuilt.
+    ``_apply_weights`` raises it instead of a plain error when the old weights are gone."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """One turn's generation: continue ``prompt_ids``.
