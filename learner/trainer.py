@@ -15,7 +15,10 @@ One ``train_step(groups)`` is ONE optimizer step, in this order:
 3. micro-batches by token budget (``learner.batching``); for each: forward, log-probs
    (``learner.logprobs`` convention, ``sampling.temperature``), decoupled-PPO loss
    normalised by the whole batch's loss-token count (``learner.loss``), backward;
-4. clip grad norm, optimizer step, LR step, ``step += 1``.
+4. clip grad norm, optimizer step, LR step, ``step += 1`` — unless the gradient norm is
+   not finite (a NaN/inf loss or gradient): then the gradients are discarded, the weights,
+   optimizer state and LR schedule stay as they were, ``step`` does not advance and the
+   metrics say ``train/nonfinite = 1``.  No NaN ever reaches the published weights.
 
 ``pi_prox`` is the policy before the step.  With ``prox_forward="extra"`` it is computed by
 one extra no-grad forward over the batch at the start of the step (needed whenever a
@@ -442,6 +445,9 @@ class Trainer:
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.accelerator.clip_grad_norm_(self.params, self.algo.grad_clip if self.algo.grad_clip > 0 else float("inf"))
+        if not math.isfinite(float(grad_norm)):  # every rank sees the same (synchronised) norm
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"train/nonfinite": 1.0, "loss/lr": float(lr)}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
