@@ -339,14 +339,17 @@ class LearnerService:
         t1 = time.monotonic()
         m = self.metrics
         record_train(m, out)
-        self.trained_groups += len(batch)  # consumed, trained or not: never offered again
         if self.step == before:  # refused: non-finite loss/gradient, or nothing trainable
             why = "nonfinite" if out.get("train/nonfinite") else "empty"
             m.add(f"train/steps_skipped/{why}", 1, "sum")
-            for r in ready:
+            for r in ready:  # their admission slots come back (else a synchronous run would stall)
+                self.leases.accepted -= 1
+                if why == "nonfinite":  # the data was valid: play the task again
+                    self.leases.stream.reissue(r.lease.task)
                 self._ledger(r, f"skipped_{why}")
             log.warning("step %d not taken (%s); the weights are unchanged", self.step + 1, why)
             return
+        self.trained_groups += len(batch)
         tokens = sum(int(np.asarray(ep.loss_mask).sum()) for g in batch for ep in g.episodes)
         wall = max(t1 - self._last_step_end, 1e-9)
         for r in ready:

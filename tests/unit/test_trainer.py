@@ -306,3 +306,25 @@ def test_seq_mean_token_mean_gives_every_episode_the_same_weight_whatever_its_le
     plain[0].adv = np.ones(3)
     tr_plain._aggregate(plain)
     assert plain[0].adv.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(model_dir, algo):
+    """A NaN reward (had it slipped past intake) makes the loss NaN: the trainer refuses the
+    step — no optimizer update, no LR step, ``step`` unchanged — and the next good batch
+    trains as if the bad one never came."""
+    from dataclasses import replace as dc_replace
+
+    good = batches(2)
+    ref = Trainer(make_cfg(algo), model_dir)
+    ref.train_step(good[0])
+
+    t = Trainer(make_cfg(algo), model_dir)
+    before = params(t)
+    bad = [dc_replace(g, episodes=[dc_replace(ep, reward=float("nan")) for ep in g.episodes]) for g in good[1]]
+    out = t.train_step(bad)
+    assert out["train/nonfinite"] == 1.0 and t.step == 0
+    assert_same(params(t), before, atol=0)
+    t.train_step(good[0])
+    assert t.step == 1
+    assert_same(params(t), params(ref))
