@@ -362,3 +362,119 @@ def test_a_failed_swap_keeps_the_old_weights_and_the_actor_pulls_again():
     assert fails["left"] == 0 and actor.stats.weight_failures >= 1
     assert 1 in engine.applied  # pulled again and applied
     assert actor.applied is not None and actor.applied[1] >= 2  # step 4 needs groups sampled at >= v2
+
+
+def test_after_a_resume_from_an_older_checkpoint_the_actor_samples_only_the_resumed_learners_weights():
+    """Learner 1 publishes v3 (the actor applies it), then dies before checkpointing step 3;
+    learner 2 resumes the same run (same run id) from the step-2 checkpoint and publishes
+    v2, v3... with other weights.  The actor must drop its v3 and pull: every token it
+    samples for learner 2 matches learner 2's weights of the version it is labelled with
+    (real publisher, real pull into the actor's buffers, checked by checksum), and no group
+    reaches learner 2 with a version from its future."""
+    import torch
+    import zmq
+
+    from actors.weight_sync import ReceiveBuffer, pull_weights
+    from learner.weights import WeightPublisher
+    from protocol.messages import TrajectoryGroup
+    from tests.unit.test_learner_service import MemCheckpointer
+
+    cfg = make_cfg(**{"learner.steps": 1000, "learner.max_staleness": 1, "learner.groups_per_step": 1,
+                      "learner.checkpoint_every": 2, "actor.max_groups": 1, "learner.heartbeat_interval_s": 0.1})
+    store, ledgers, learners = [], [], []
+    engine = ChecksumEngine(size=SIZE, step_s=0.001)
+    env = FakeEnvClient()
+    actor = make_actor(cfg, env, engine)
+    samples = []  # (incarnation of the learner the actor was serving, results)
+
+    class Ledger:
+        def __init__(self):
+            self.rows = []
+
+        def write_group(self, group, **kw):
+            pass
+
+        def write_batch_entry(self, group, **kw):
+            self.rows.append(kw)
+
+        def close(self):
+            pass
+
+    def service(salt, steps):
+        import copy
+
+        c = copy.deepcopy(cfg)
+        c.learner.steps = steps
+        trainer = FakeTrainer()
+        pub = WeightPublisher(f"tcp://127.0.0.1:{cfg.learner.weights_port}", dtype="float32", context=zmq.Context())
+        ledger = Ledger()
+        ledgers.append(ledger)
+        parts = ServiceParts(trainer=trainer, publisher=pub, schedule=FakeSchedule(), trajlog=ledger,
+                             weights=lambda: {"w": torch.from_numpy(version_weights(trainer.step, SIZE, salt))},
+                             checkpointer=MemCheckpointer(trainer, store))
+        s = LearnerService(c, parts)
+        s.linger_s, s.announce_every_s = 0.5, 0.1
+        learners.append(s)
+        return s
+
+    async def play_group(lease, sessions):
+        episodes = []
+        inc = actor.welcome.policy.incarnation
+        for s in sessions:
+            await s.reset(lease.task.data_idx)
+            turns = [await engine.generate(GenerateRequest(prompt_ids=[1, 2, 3, 4], sampling=SamplingParams(max_new_tokens=4)))
+                     for _ in range(2)]
+            samples.append((inc, turns))
+            episodes.append(_episode_from_results(turns, lease.turn_limit))
+        return TrajectoryGroup(lease_id=lease.lease_id, actor_id=actor.actor_id, task=lease.task,
+                               turn_limit=lease.turn_limit, episodes=episodes)
+
+    async def make_runtime(welcome):
+        return Runtime(engine=engine, play_group=play_group)
+
+    async def pull(sock, manifest, timeout_s, buffer):
+        return await pull_weights(sock, manifest, timeout_s=timeout_s, buffer=buffer)
+
+    actor.deps.make_runtime, actor.deps.pull, actor.deps.new_buffer = make_runtime, pull, ReceiveBuffer
+
+    async def main():
+        with trio.fail_after(90):
+            async with trio.open_nursery() as n:
+                n.start_soon(actor.run)
+                first = service(salt=0, steps=1000)
+                cs, gone = trio.CancelScope(), trio.Event()
+
+                async def first_run():
+                    try:
+                        with cs:
+                            await first.serve()
+                    finally:
+                        gone.set()
+
+                n.start_soon(first_run)
+                await first.ready.wait()
+                while not (first.step >= 3 and actor.applied == (first.incarnation, 3)):
+                    await trio.sleep(0.01)
+                    assert first.step < 4
+                cs.cancel()  # dies after publishing v3, before step 3 is ever checkpointed (every 2)
+                await gone.wait()
+                first.parts.publisher.close()
+                first.parts.publisher._ctx.term()  # returns once the port is released
+                assert store[-1][0] == 2
+                second = service(salt=1, steps=5)
+                assert second.restore() and second.run_id == first.run_id and second.version == 2
+                await second.serve()
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+    second = learners[1]
+    assert second.step == 5
+    served = [turns for inc, turns in samples if inc == second.incarnation]
+    assert served
+    expected = {v: weights_token(version_weights(v, SIZE, salt=1)) for v in range(2, 8)}
+    for turns in served:
+        for r in turns:
+            for tok, v in zip(r.token_ids, r.versions()):
+                assert expected.get(int(v)) == int(tok), f"token labelled v{v} was not sampled by learner 2's v{v}"
+    assert all(row["staleness"] >= 0 for row in ledgers[1].rows)
+    assert actor.stats.sessions >= 2
