@@ -61,7 +61,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import trio
 import zmq
 
-from actors.engine import EngineBroken, WeightSwap
+from actors.engine import EngineBroken, EngineError, WeightSwap
 from actors.envpool import EnvClientLike, EnvPool, PooledSession
 from conf.schema import ActorConfig
 from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError, TurnscaleError
@@ -151,6 +151,8 @@ class ActorStats:
     weight_pull_s: float = 0.0
     weight_failures: int = 0
     engine_rebuilds: int = 0
+    torn_weights: int = 0
+    """Swaps after which the engine's weights did not checksum to the pulled bytes."""
 
 
 def default_actor_id() -> str:
@@ -506,18 +508,39 @@ class Actor:
         slot = await self._free_slot()
         tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s), slot.buffer)
         engine = self.runtime.engine
-        slot.swap = engine.load_weights(policy.version, tensors)
-        del tensors  # the engine owns them now
+        slot.swap = engine.load_weights(policy.version, tensors)  # the engine owns them until released
         try:
             await slot.swap.wait()
         except EngineBroken:
             await self._rebuild_engine(engine)
             raise
+        if self.cfg.verify_weights:  # released: the buffer is ours again until the next pull
+            await self._verify(engine, tensors, policy.manifest)
         self.applied = (policy.incarnation, policy.version)
         self.stats.weight_pulls += 1
         self.stats.weight_pull_s += time.monotonic() - t0
         log.info("applied weights version %d in %.2fs", policy.version, time.monotonic() - t0)
         self._poke()
+
+    async def _verify(self, engine: EngineLike, tensors: Any, manifest: WeightManifest) -> None:
+        """Checksum the engine's weights against the pulled bytes (engines that can read them back)."""
+        from actors.engine import tensor_digest
+
+        digest = getattr(engine, "weights_digest", None)
+        if digest is None:
+            return
+        names = list(tensors)
+        got = await trio.to_thread.run_sync(digest, names, manifest.dtype, manifest.checksum_algo)
+        if got is None:
+            return
+        want = await trio.to_thread.run_sync(tensor_digest, tensors, manifest.dtype, manifest.checksum_algo)
+        bad = [n for n in names if got.get(n) != want[n]]
+        if bad:
+            self.stats.torn_weights += 1
+            self.applied = None
+            log.error("weights v%d in the engine differ from the pulled bytes in %d tensor(s), e.g. %s; pulling again",
+                      manifest.version, len(bad), bad[0])
+            raise EngineError(f"torn weights after the swap to v{manifest.version}")
 
     async def _rebuild_engine(self, broken: EngineLike) -> None:
         """The engine lost its weights: close it and build a new one (its leases fail and are re-issued)."""

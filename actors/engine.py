@@ -194,6 +194,29 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
+    def weights_digest(self, names: Sequence[str], dtype: str, algo: str) -> dict[str, int] | None:
+        """``algo`` checksum of each named weight as ``dtype`` bytes, or None when the engine
+        cannot read its weights back in the transfer layout (e.g. vLLM repacks them)."""
+
+
+def tensor_digest(tensors: Mapping[str, Any], dtype: str, algo: str) -> dict[str, int]:
+    """``algo`` checksum of each tensor's bytes as ``dtype`` (torch tensors or numpy arrays)."""
+    from protocol import checksums
+
+    out = {}
+    for name, t in tensors.items():
+        if hasattr(t, "detach"):  # torch: cast, then view the bytes (bf16 has no numpy dtype)
+            import torch
+
+            from actors.weight_sync import TORCH_DTYPES
+
+            t = t.detach().to("cpu", TORCH_DTYPES[dtype]) if t.is_floating_point() else t.detach().cpu()
+            data = t.contiguous().view(torch.uint8).numpy()
+        else:
+            data = np.ascontiguousarray(t).view(np.uint8)
+        out[name] = checksums.checksum(algo, data)
+    return out
+
 
 # ----------------------------------------------------------------------------- bridge
 
@@ -335,6 +358,10 @@ class ThreadedEngine:
         if older is not None:
             older[0].complete(WeightSwap.SUPERSEDED)
         return swap
+
+    def weights_digest(self, names: Sequence[str], dtype: str, algo: str) -> dict[str, int] | None:
+        """See ``Engine.weights_digest``; engines that can read their weights override it."""
+        return None
 
     def stats(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._t0, 1e-9)

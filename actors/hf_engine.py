@@ -276,6 +276,15 @@ class HFEngine(ThreadedEngine):
             if tuple(t.shape) != self._names[name]:
                 raise EngineError(f"load_weights: {name} has shape {tuple(t.shape)}, the model needs {self._names[name]}")
 
+    def weights_digest(self, names, dtype: str, algo: str) -> dict[str, int]:
+        """Checksums of the model's parameters as the transfer dtype (a lossless round trip
+        for weights that came in as that dtype), read without stopping the decoding thread
+        (only a swap writes them, and the caller does not start one meanwhile)."""
+        from actors.engine import tensor_digest
+
+        state = self.model.state_dict()
+        return tensor_digest({n: state[n] for n in names if n in state}, dtype, algo)
+
     def _apply_weights(self, tensors: Mapping[str, Any]) -> None:
         """Copy every tensor into the model (names and shapes were checked at hand-over).
 

@@ -48,7 +48,7 @@ from protocol.transport import AsyncSocket
 
 _RID = struct.Struct("<qiI")  # version, chunk index, attempt
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
                  "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 
 
@@ -197,7 +197,7 @@ def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool
     """Tensors of ``manifest`` viewing (or copied out of) the stream bytes in ``buf``."""
     out: dict[str, torch.Tensor] = {}
     for t in manifest.tensors:
-        dtype = _TORCH_DTYPES.get(t.dtype)
+        dtype = TORCH_DTYPES.get(t.dtype)
         if dtype is None:
             raise WeightSyncError(f"tensor {t.name}: dtype {t.dtype!r} unknown to this actor")
         numel = math.prod(t.shape)

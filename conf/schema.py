@@ -273,6 +273,11 @@ class ActorConfig:
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
     env_url: str = ""
     """Override the env server URL the learner announces (e.g. a host-local envhub)."""
+    verify_weights: bool = True
+    """After every swap, checksum the engine's weights against the pulled bytes (engines
+    that can: ``hf``); a mismatch (torn or corrupted weights) is counted as
+    ``torn_weights``, logged, and the version pulled again.  Costs one checksum pass over
+    the model per version (crc32c runs at memory-copy speed)."""
 
 
 @dataclass(kw_only=True)

@@ -60,6 +60,11 @@ class ChecksumEngine(ThreadedEngine):
         self._start()
 
     # -- weights -------------------------------------------------------------------------
+    def weights_digest(self, names, dtype: str, algo: str) -> dict[str, int]:
+        from actors.engine import tensor_digest
+
+        return tensor_digest({"w": self.w.copy()}, dtype, algo)
+
     def _check_weights(self, tensors: Mapping[str, Any]) -> None:
         if set(tensors) != {"w"} or tuple(tensors["w"].shape) != self.w.shape:
             raise EngineError(f"checksum engine takes one tensor 'w' of shape {self.w.shape}")

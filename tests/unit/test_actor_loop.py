@@ -478,3 +478,38 @@ def test_after_a_resume_from_an_older_checkpoint_the_actor_samples_only_the_resu
                 assert expected.get(int(v)) == int(tok), f"token labelled v{v} was not sampled by learner 2's v{v}"
     assert all(row["staleness"] >= 0 for row in ledgers[1].rows)
     assert actor.stats.sessions >= 2
+
+
+def test_an_engine_that_half_applies_a_swap_is_caught_by_the_weight_checksum_and_pulled_again():
+    """A buggy engine copies only part of version 1 yet reports it applied: the actor's
+    check after the swap (``actor.verify_weights``) sees the engine's weights differ from
+    the pulled bytes, counts ``torn_weights``, does not adopt the version, and pulls again."""
+    cfg = make_cfg(**{"learner.steps": 3, "learner.max_staleness": 1, "actor.max_groups": 2,
+                      "learner.heartbeat_interval_s": 0.05})
+    trainer = FakeTrainer()
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.3, 0.1
+    engine = ChecksumEngine(size=SIZE)
+    bug = {"left": 1}
+    real_apply = engine._apply_weights
+
+    def half_apply(tensors):
+        if engine._applying == 1 and bug["left"]:
+            bug["left"] -= 1
+            engine.w[: SIZE // 2] = np.asarray(tensors["w"])[: SIZE // 2]  # the rest stays v0: torn
+            return
+        real_apply(tensors)
+
+    engine._apply_weights = half_apply
+    actor = make_actor(cfg, FakeEnvClient(), engine)
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                assert await actor.run() == 0
+
+    trio.run(main)
+    assert bug["left"] == 0 and actor.stats.torn_weights == 1
+    assert trainer.step == 3 and 1 in engine.applied
