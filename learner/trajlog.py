@@ -13,7 +13,7 @@ episodes of one group are consecutive lines.  One line::
       "episode": int,         index of the episode in its group, from 0
       "group_size": int,      episodes in the group
       "turn_limit": int,      turn limit in force for the lease
-      "finish_reason": str,   done | turn_limit | context_limit | env_error | aborted | render_error
+      "finish_reason": str,   done | truncated | turn_limit | context_limit | env_error | aborted | render_error
       "reward": float, "success": bool,
       "accepted": bool,       whether the group entered training
       "drop_reason": str,     "" when accepted, else unknown_lease | duplicate | expired | mismatch | failed | invalid | stale

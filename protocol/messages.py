@@ -40,12 +40,14 @@ SCHEMA_VERSION = 2
 """Bumped on every incompatible change; a message with another version is rejected."""
 
 FINISH_REASONS = frozenset(
-    {"done", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
+    {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
 )
-"""Why an episode ended.  Only ``done``, ``turn_limit`` and ``context_limit`` episodes
-are trainable; a group holding any other is reported ``failed`` and never trained on."""
+"""Why an episode ended.  Only ``done`` (terminal), ``truncated`` (the env's own time
+limit), ``turn_limit`` and ``context_limit`` episodes are trainable; a group holding any
+other is reported ``failed`` and never trained on.  Every trainable reason but ``done``
+is a cut, not a terminal state (value bootstrapping)."""
 
-TRAINABLE_FINISH_REASONS = frozenset({"done", "turn_limit", "context_limit"})
+TRAINABLE_FINISH_REASONS = frozenset({"done", "truncated", "turn_limit", "context_limit"})
 
 
 def array_field(dtype: str, ndim: int = 1) -> Any:
