@@ -117,8 +117,8 @@ def test_micro_batching_gives_the_same_step_as_one_batch(model_dir, algo):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_extra_proximal_forward_gives_the_same_step(model_dir, algo):
     data = batches(2)
-    a = Trainer(make_cfg(algo, micro_batch_tokens=80), model_dir, prox_forward="auto")
-    b = Trainer(make_cfg(algo, micro_batch_tokens=80), model_dir, prox_forward="extra")
+    a = Trainer(make_cfg(algo, micro_batch_tokens=80, prox_forward="auto"), model_dir)
+    b = Trainer(make_cfg(algo, micro_batch_tokens=80, prox_forward="extra"), model_dir)
     for d in data:
         ma, mb = a.train_step(d), b.train_step(d)
     assert ma["loss/behaviour_weight_mean"] == pytest.approx(mb["loss/behaviour_weight_mean"], rel=1e-6)
