@@ -306,7 +306,7 @@ class LearnerService:
             batch, self.buffer, stale = self.leases.form_batch(self.buffer, size)
             for r in stale:
                 self.metrics.add("rollout/groups_dropped/stale", 1, "sum")
-                self._ledger(r, "stale")
+                self._ledger(r, "stale", self.step + 1)
                 log.info("group %s (sampled at v%d) dropped as stale at v%d; task %s re-issued", r.lease.lease_id,
                          r.oldest, self.version, r.lease.task.data_idx)
             if batch:
@@ -314,10 +314,11 @@ class LearnerService:
             self._have_groups = trio.Event()
             await self._have_groups.wait()
 
-    def _ledger(self, r: Ready, outcome: str) -> None:
-        """One line per group that left the ready buffer: trained (at which step) or dropped."""
+    def _ledger(self, r: Ready, outcome: str, step: int) -> None:
+        """One line per group that left the ready buffer for optimizer step ``step`` (1-based):
+        trained in it, or dropped."""
         try:
-            self.parts.trajlog.write_batch_entry(r.group, step=self.step, version=self.version,
+            self.parts.trajlog.write_batch_entry(r.group, step=step, version=self.version,
                                                  staleness=self.version - r.oldest, outcome=outcome)
         except Exception as exc:  # the log line is lost, never the data
             self.metrics.add("rollout/trajlog_errors", 1, "sum")
@@ -346,14 +347,14 @@ class LearnerService:
                 self.leases.accepted -= 1
                 if why == "nonfinite":  # the data was valid: play the task again
                     self.leases.stream.reissue(r.lease.task)
-                self._ledger(r, f"skipped_{why}")
+                self._ledger(r, f"skipped_{why}", before + 1)
             log.warning("step %d not taken (%s); the weights are unchanged", self.step + 1, why)
             return
         self.trained_groups += len(batch)
         tokens = sum(int(np.asarray(ep.loss_mask).sum()) for g in batch for ep in g.episodes)
         wall = max(t1 - self._last_step_end, 1e-9)
         for r in ready:
-            self._ledger(r, "trained")
+            self._ledger(r, "trained", self.step)
             record_trained(m, r.group, self.version - r.oldest)
         m.add("perf/step_time_s", t1 - t0, "last")
         m.add("perf/tokens_trained", tokens, "sum")

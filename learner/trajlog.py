@@ -36,7 +36,8 @@ Lines are flushed per group, so a viewer can tail the file while the run goes on
 ``<dir>/batches.jsonl``: the training ledger, one line per accepted group when it leaves
 the ready buffer (``LearnerService``), in order::
 
-    {"step": int,        optimizer steps done before this batch (the step trains as step + 1)
+    {"step": int,        the optimizer step (1-based) the batch was formed for; for "trained", the
+                         step that trained it (in a checkpoint of step s iff step <= s)
      "version": int,     policy version the batch trained at
      "lease_id": str, "actor_id": str, "env": str, "data_idx": int,
      "staleness": int,   version - oldest sampled-token version, at training time
