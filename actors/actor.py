@@ -186,6 +186,8 @@ class Actor:
     _running: dict[str, trio.CancelScope] = field(default_factory=dict)
     _changed: trio.Event = field(default_factory=trio.Event)
     _slots: list[_BufferSlot] = field(default_factory=list)
+    _token: str = field(default_factory=lambda: os.urandom(8).hex())
+    """This process's ``Hello.token`` (keeps its actor id across reconnects)."""
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
@@ -287,7 +289,7 @@ class Actor:
 
     async def _hello(self, req: Requester) -> Welcome:
         hello = Hello(actor_id=self.actor_id, host=pysocket.gethostname(), pid=os.getpid(), engine=self.engine_name,
-                      device=self.device, max_groups=self.cfg.max_groups)
+                      device=self.device, max_groups=self.cfg.max_groups, token=self._token)
         backoff = 0.2
         while True:
             try:

@@ -253,6 +253,13 @@ class LearnerConfig:
     save_trajectories: bool = True
     sft_data: str = ""
     """``algo=sft``: conversations JSONL to train on offline (``learner/sft_data.py``); no actors."""
+    max_actors: int = 4096
+    """Registered actors at most (more Hellos are refused, retryable)."""
+    max_leases_per_actor: int = 64
+    """Leases one actor may hold at once (also capped by its ``Hello.max_groups``)."""
+    max_message_mb: float = 64.0
+    """Largest control message (a trajectory group; frames added up) the learner reads;
+    msgpack headers are capped at 16 MiB, so decoding one cannot stall the loop long."""
     debug_step_delay_s: float = 0.0
     """Tests and benchmarks only: sleep this long before every optimizer step (a slow learner,
     to exercise admission control and backpressure).  0 in real runs."""
@@ -262,6 +269,9 @@ class LearnerConfig:
         _require(self.groups_per_step > 0, "learner.groups_per_step", "must be > 0")
         _require(self.publish_every > 0, "learner.publish_every", "must be > 0")
         _require(self.debug_step_delay_s >= 0, "learner.debug_step_delay_s", "must be >= 0")
+        _require(self.max_actors >= 1, "learner.max_actors", "must be >= 1")
+        _require(self.max_leases_per_actor >= 1, "learner.max_leases_per_actor", "must be >= 1")
+        _require(self.max_message_mb > 0, "learner.max_message_mb", "must be > 0")
         _require(self.transfer_dtype in ("float32", "bfloat16", "float16"), "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 
 

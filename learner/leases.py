@@ -24,6 +24,8 @@ Intake decides, in this order (the first that applies is the drop reason):
 ``unknown_lease`` never issued by this learner run (or from before a restart);
 ``duplicate``     the lease's group was already received;
 ``expired``       the lease expired (its task went to another lease);
+``not_holder``    the group names another actor than the lease's holder (the lease stays
+                  live: a forged group never makes the real one a ``duplicate``);
 ``mismatch``      the group does not echo its lease (task, turn limit, group size);
 ``failed``        the actor reported the group failed (its task is re-issued);
 ``invalid``       the group decodes but is semantically bad for this run
@@ -61,7 +63,7 @@ from learner.tasks import TaskStream
 from learner.validation import GroupLimits, find_problem
 from protocol.messages import Lease, Task, TrajectoryGroup
 
-DROP_REASONS = ("unknown_lease", "duplicate", "expired", "mismatch", "failed", "invalid", "stale")
+DROP_REASONS = ("unknown_lease", "duplicate", "expired", "not_holder", "mismatch", "failed", "invalid", "stale")
 
 
 @dataclass(slots=True)
@@ -161,7 +163,7 @@ class LeaseManager:
     def _issue(self, task: Task, actor_id: str, now: float) -> Lease:
         self._counter += 1
         lease = Lease(
-            lease_id=f"{self.prefix}-{self._counter}",
+            lease_id=f"{self.prefix}-{self._counter}-{os.urandom(4).hex()}",  # unguessable: only its holder knows it
             task=task,
             group_size=self.group_size,
             turn_limit=self.turn_limit,
@@ -199,6 +201,10 @@ class LeaseManager:
         out, self._unreported = self._unreported, []
         return out
 
+    def held_by(self, actor_id: str) -> int:
+        """Live leases of ``actor_id``."""
+        return sum(1 for rec in self.live.values() if rec.actor_id == actor_id)
+
     def release_actor(self, actor_id: str) -> list[Lease]:
         """An actor left (Goodbye) or re-registered: its leases end and their tasks are re-issued."""
         gone = [rec.lease for rec in self.live.values() if rec.actor_id == actor_id]
@@ -224,6 +230,8 @@ class LeaseManager:
             reason = {"received": "duplicate", "expired": "expired"}.get(how or "", "unknown_lease")
             return IntakeResult(False, reason)
         lease = rec.lease
+        if rec.actor_id != group.actor_id:  # not its holder: the lease stays live for the real group
+            return IntakeResult(False, "not_holder")
         if (group.task != lease.task or group.turn_limit != lease.turn_limit
                 or (not group.failed and len(group.episodes) != lease.group_size)):
             self._retire(lease.lease_id, "received")

@@ -59,6 +59,7 @@ import zmq
 
 from conf.schema import Config
 from learner.leases import LeaseManager, Ready
+from learner.registry import ActorRegistry, short
 from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
 from learner.trajlog import NullTrajectoryLog
@@ -83,7 +84,7 @@ from protocol.messages import (
     WeightManifest,
     Welcome,
 )
-from protocol.transport import AsyncSocket, configure, split_router_frames, tcp_endpoint
+from protocol.transport import AsyncSocket, SocketLimits, configure, split_router_frames, tcp_endpoint
 
 log = logging.getLogger("turnscale.learner")
 
@@ -110,17 +111,6 @@ class CheckpointerLike(Protocol):
 
 class ScheduleLike(Protocol):
     def limit_at(self, step: int) -> int: ...
-
-
-@dataclass
-class ActorInfo:
-    actor_id: str
-    host: str
-    pid: int
-    engine: str
-    last_seen: float
-    policy_version: int = -1
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,10 +153,14 @@ class LearnerService:
         self.trained_groups = 0
         self.buffer: list[Ready] = []
         """Accepted groups waiting for a batch, in arrival order."""
+        mb = int(lc.max_message_mb * (1 << 20))
+        self._limits = codec.Limits(max_message_bytes=mb, max_array_bytes=mb, max_header_bytes=min(mb, 16 << 20))
+        """Control-socket limits: a group is a few MB; a larger message is refused unread."""
         self.publishing = False
         """True while a publication is in progress: no leases are granted meanwhile."""
         self.manifest: WeightManifest | None = None
-        self.actors: dict[str, ActorInfo] = {}
+        self.actors = ActorRegistry(max_actors=lc.max_actors, silent_s=3 * lc.heartbeat_interval_s)
+        """Registered actors, each bound to its connection (``learner.registry``)."""
         self.metrics = StepMetrics()
         self.stopping = False
         self.done = False
@@ -222,7 +216,8 @@ class LearnerService:
     async def serve(self) -> None:
         lc = self.cfg.learner
         self._ctx = zmq.Context()
-        router = AsyncSocket(configure(self._ctx.socket(zmq.ROUTER), server=True))
+        router = AsyncSocket(configure(self._ctx.socket(zmq.ROUTER), SocketLimits(max_message_bytes=self._limits.max_message_bytes),
+                                       server=True))
         router.sock.bind(tcp_endpoint(lc.host, lc.port))
         pub = configure(self._ctx.socket(zmq.PUB), server=True)
         pub.bind(tcp_endpoint(lc.host, lc.pub_port))
@@ -277,9 +272,9 @@ class LearnerService:
                 self.metrics.add("rollout/leases_expired", 1, "sum")
                 log.info("lease %s (task %s) expired; re-issued", lease.lease_id, lease.task.data_idx)
             silent = max(3 * self.cfg.learner.heartbeat_interval_s, self.cfg.learner.lease_ttl_s)
-            for a in [a for a in self.actors.values() if now - a.last_seen > silent]:
-                del self.actors[a.actor_id]  # its leases expire on their own; it must Hello again
-                log.info("actor %s silent for %.0fs; forgotten", a.actor_id, now - a.last_seen)
+            for a in self.actors.silent(now, silent):
+                self.actors.drop(a.actor_id)  # its leases expire on their own; it must Hello again
+                log.info("actor %s silent for %.0fs; forgotten", short(a.actor_id), now - a.last_seen)
 
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> None:
@@ -401,8 +396,8 @@ class LearnerService:
                 log.warning("dropping unroutable message: %s", exc)
                 continue
             try:
-                msg = codec.decode(body)
-                reply = self.handle(msg)
+                msg = await self._decode(body)
+                reply = self.handle(msg, prefix[0])
             except ProtocolError as exc:
                 log.warning("bad message: %s", exc)
                 reply = ErrorReply(code="bad_message", message=str(exc))
@@ -414,36 +409,55 @@ class LearnerService:
             except TransportError as exc:
                 log.warning("could not reply: %s", exc)
 
-    def handle(self, msg: Any) -> Any:
-        """Answer one decoded request (pure state change + reply; no awaits)."""
+    async def _decode(self, body: list[Any]) -> Any:
+        """Decode a control message within the control limits; a large one off the event
+        loop, so announcements, expiry and training bookkeeping keep running meanwhile."""
+        size = sum(len(f) for f in body)
+        if size > self._limits.max_message_bytes:  # before any decoding
+            raise ProtocolError(f"message is {size} bytes, over the learner's limit of {self._limits.max_message_bytes} "
+                                f"(learner.max_message_mb)")
+        if size < (1 << 20):
+            return codec.decode(body, self._limits)
+        return await trio.to_thread.run_sync(codec.decode, body, self._limits)
+
+    def handle(self, msg: Any, identity: bytes = b"") -> Any:
+        """Answer one decoded request from the connection ``identity`` (pure state change +
+        reply; no awaits).  Requests naming an actor must come from its bound connection."""
         now = trio.current_time()
         if isinstance(msg, Hello):
-            return self._hello(msg, now)
+            return self._hello(msg, identity, now)
         if isinstance(msg, LeaseRequest):
-            return self._lease_request(msg, now)
+            return self._lease_request(msg, identity, now)
         if isinstance(msg, TrajectoryGroup):
-            return self._group(msg, now)
+            return self._group(msg, identity, now)
         if isinstance(msg, Heartbeat):
-            if msg.actor_id not in self.actors:
-                return ErrorReply(code="not_registered", message="send Hello first (the learner restarted?)", retryable=True)
-            a = self.actors[msg.actor_id]
+            a = self.actors.bound(msg.actor_id, identity)
+            if a is None:
+                return _not_registered()
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
             return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now), policy_version=self.version)
         if isinstance(msg, Goodbye):
+            if self.actors.bound(msg.actor_id, identity) is None:
+                return _not_registered()
             released = self.leases.release_actor(msg.actor_id)
-            self.actors.pop(msg.actor_id, None)
-            log.info("actor %s left (%s); %d lease(s) released", msg.actor_id, msg.reason or "no reason", len(released))
+            self.actors.drop(msg.actor_id)
+            log.info("actor %s left (%s); %d lease(s) released", short(msg.actor_id), short(msg.reason or "no reason"),
+                     len(released))
             return GroupAck(lease_id="", accepted=True)
         return ErrorReply(code="bad_message", message=f"{type(msg).__name__} is not a request the learner answers")
 
-    def _hello(self, msg: Hello, now: float) -> Any:
+    def _hello(self, msg: Hello, identity: bytes, now: float) -> Any:
         if msg.schema_version != SCHEMA_VERSION:
             return ErrorReply(code="bad_message", message=f"schema {msg.schema_version} != {SCHEMA_VERSION}; upgrade the older side")
-        if msg.actor_id in self.actors:
+        info, error, replaced = self.actors.register(msg, identity, now)
+        if error is not None:
+            log.warning("Hello from %s refused: %s", short(msg.actor_id), error.code)
+            return error
+        if replaced:
             released = self.leases.release_actor(msg.actor_id)
-            log.info("actor %s re-registered; %d lease(s) released", msg.actor_id, len(released))
-        self.actors[msg.actor_id] = ActorInfo(msg.actor_id, msg.host, msg.pid, msg.engine, now)
-        log.info("actor %s registered (%s pid %d, %s on %s)", msg.actor_id, msg.host, msg.pid, msg.engine, msg.device)
+            log.info("actor %s re-registered; %d lease(s) released", short(msg.actor_id), len(released))
+        log.info("actor %s registered (%s pid %d, %s on %s)", short(msg.actor_id), short(msg.host), msg.pid,
+                 short(msg.engine), short(msg.device))
         lc, s = self.cfg.learner, self.cfg.sampling
         return Welcome(
             run_id=self.run_id, actor_id=msg.actor_id, model_path=self.parts.model_path,
@@ -456,23 +470,28 @@ class LearnerService:
             heartbeat_interval_s=lc.heartbeat_interval_s, policy=self.announcement(),
         )
 
-    def _lease_request(self, msg: LeaseRequest, now: float) -> Any:
-        if msg.actor_id not in self.actors:
-            return ErrorReply(code="not_registered", message="send Hello first (the learner restarted?)", retryable=True)
-        self.actors[msg.actor_id].last_seen = now
+    def _lease_request(self, msg: LeaseRequest, identity: bytes, now: float) -> Any:
+        a = self.actors.bound(msg.actor_id, identity)
+        if a is None:
+            return _not_registered()
+        a.last_seen = now
         if self.stopping or msg.max_leases < 1:
             return LeaseGrant(leases=[], retry_after_s=1.0)
         if self.publishing:
             return LeaseGrant(leases=[], retry_after_s=0.1)
-        leases = self.leases.grant(msg.actor_id, msg.max_leases, now)
+        room = min(a.max_groups, self.cfg.learner.max_leases_per_actor) - self.leases.held_by(msg.actor_id)
+        want = min(msg.max_leases, max(0, room))  # one actor cannot take the whole admission window
+        leases = self.leases.grant(msg.actor_id, want, now)
         for lease in leases:
             log.info("lease %s (task %s, turn limit %d, version %d) granted to actor %s", lease.lease_id,
-                     lease.task.data_idx, lease.turn_limit, lease.policy_version, msg.actor_id)
+                     lease.task.data_idx, lease.turn_limit, lease.policy_version, short(msg.actor_id))
         return LeaseGrant(leases=leases, retry_after_s=0.0 if len(leases) == msg.max_leases else 0.5)
 
-    def _group(self, group: TrajectoryGroup, now: float) -> Any:
-        if group.actor_id in self.actors:
-            self.actors[group.actor_id].last_seen = now
+    def _group(self, group: TrajectoryGroup, identity: bytes, now: float) -> Any:
+        a = self.actors.bound(group.actor_id, identity)
+        if a is None:  # another connection speaking for this actor (or a forgotten one): change nothing
+            return _not_registered()
+        a.last_seen = now
         live = self.leases.live.get(group.lease_id)
         lease_s = now - live.issued_at if live is not None else -1.0
         r = self.leases.intake(group, now)
@@ -482,9 +501,9 @@ class LearnerService:
             if len(self.buffer) >= self.cfg.learner.groups_per_step:
                 self._have_groups.set()
         elif r.reason == "invalid":
-            log.warning("group %s from actor %s dropped as invalid: %s", group.lease_id, group.actor_id[:64], r.problem)
+            log.warning("group %s from actor %s dropped as invalid: %s", short(group.lease_id), short(group.actor_id), r.problem)
         else:
-            log.info("group %s from %s dropped: %s", group.lease_id, group.actor_id[:64], r.reason)
+            log.info("group %s from %s dropped: %s", short(group.lease_id), short(group.actor_id), r.reason)
         try:  # log second: a failure here costs the log line, never the group
             self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted,
                                            drop_reason=r.reason, lease_s=lease_s)
@@ -492,3 +511,8 @@ class LearnerService:
             self.metrics.add("rollout/trajlog_errors", 1, "sum")
             log.warning("trajectory log write failed for group %s: %s: %s", group.lease_id, type(exc).__name__, exc)
         return GroupAck(lease_id=group.lease_id, accepted=r.accepted, reason=r.reason)
+
+
+def _not_registered() -> ErrorReply:
+    return ErrorReply(code="not_registered", retryable=True,
+                      message="this connection has not registered that actor id: send Hello first (the learner restarted?)")

@@ -269,7 +269,10 @@ class Hello:
     device: str
     """Device the engine runs on (``cpu``, ``cuda:0``, ``npu:0``)."""
     max_groups: int
-    """How many leases the actor will run at once."""
+    """How many leases the actor will run at once (the learner grants no more)."""
+    token: str = ""
+    """Random per actor *process*: a reconnecting process keeps its actor id by presenting
+    the same token; another process cannot take a live actor's id."""
     schema_version: int = SCHEMA_VERSION
     """The actor's protocol version (also checked on the envelope)."""
 

@@ -19,6 +19,7 @@ import pytest
 import trio
 import zmq
 
+from protocol import codec
 from protocol.messages import GroupAck, Hello, LeaseGrant, LeaseRequest, TrajectoryGroup, Welcome
 from protocol.transport import AsyncSocket, Requester, configure, free_port
 from tests.unit.fakes import make_episode
@@ -137,6 +138,117 @@ def test_learner_drops_each_semantically_bad_group_as_invalid_and_keeps_training
         assert [r["step"] for r in rows] == [1, 2]
         assert sum(r.get("rollout/dropped/invalid", 0) for r in rows) == len(acks)
         assert "Traceback" not in log
+    finally:
+        ctx.destroy(linger=0)
+        procs.close(grace_s=8)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_take(tmp_path, tiny_model_dir):
+    """Hostile clients against a real learner process: impersonated Hello and Goodbye, a
+    forged group for another actor's lease, lease hoarding, huge ids, an oversize multipart
+    message.  The real actor's leases survive every attack and its group is accepted; the
+    learner stays up and bounded."""
+    from protocol.messages import Goodbye, Heartbeat, HeartbeatAck
+
+    ports = [free_port() for _ in range(3)]
+    procs = ProcessGroup(tmp_path / "logs")
+    learner = procs.start("learner", [
+        "learner", f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
+        f"model.path={tiny_model_dir}", f"learner.dir={tmp_path / 'learner'}", "learner.steps=1000",
+        "learner.groups_per_step=4", "algo.group_size=2", "learner.max_staleness=4", "learner.max_leases_per_actor=3",
+        "learner.max_message_mb=1", "logger.tensorboard=false", "logger.console_every_s=0",
+        "learner.heartbeat_interval_s=5"])
+    ctx = zmq.Context()
+    out = {}
+
+    def conn():
+        s = AsyncSocket(configure(ctx.socket(zmq.DEALER)))
+        s.sock.connect(f"tcp://127.0.0.1:{ports[0]}")
+        return Requester(s)
+
+    async def ask(req, msg):
+        try:
+            return await req.request(msg, timeout_s=20)
+        except Exception as exc:  # ErrorReply arrives as RemoteError
+            return exc
+
+    def hello(actor_id, token, max_groups=2):
+        return Hello(actor_id=actor_id, host="h", pid=1, engine="fake", device="cpu", max_groups=max_groups, token=token)
+
+    async def attack():
+        real, evil = conn(), conn()
+        with trio.fail_after(150):
+            while not isinstance(await ask(real, hello("real", "t-real")), Welcome):
+                assert learner.alive(), learner.tail()
+                await trio.sleep(0.5)
+            leases = (await ask(real, LeaseRequest(actor_id="real", max_leases=2))).leases
+            assert len(leases) == 2
+            out["hello_takeover"] = await ask(evil, hello("real", "t-evil"))
+            out["goodbye"] = await ask(evil, Goodbye(actor_id="real", reason="forged"))
+            out["heartbeat_as_real"] = await ask(evil, Heartbeat(actor_id="real", lease_ids=[], policy_version=0))
+            assert isinstance(await ask(evil, hello("evil", "t-evil", max_groups=1000)), Welcome)
+            forged = TrajectoryGroup(lease_id=leases[0].lease_id, actor_id="evil", task=leases[0].task,
+                                     turn_limit=leases[0].turn_limit,
+                                     episodes=[replace(make_episode(version=0), turn_limit=leases[0].turn_limit)] * 2)
+            out["forged_group"] = await ask(evil, forged)
+            out["forged_as_real"] = await ask(evil, replace(forged, actor_id="real"))
+            out["hoard"] = await ask(evil, LeaseRequest(actor_id="evil", max_leases=1_000_000))
+            hb = await ask(real, Heartbeat(actor_id="real", lease_ids=[l.lease_id for l in leases], policy_version=0))
+            out["real_heartbeat"] = hb
+            real_group = replace(forged, actor_id="real")
+            out["real_group"] = await ask(real, real_group)
+            # huge ids (512 KB, under the 1 MiB frame limit): refused, never stored, logs bounded
+            rss0, log0 = _rss_mb(learner.pid), learner.log_path.stat().st_size
+            for i in range(100):
+                r = await ask(conn(), hello(f"{i}-" + "x" * (1 << 19), "t"))
+                assert not isinstance(r, Welcome)
+            out["huge_id_reply"] = r
+            out["huge_ids"] = (rss0, _rss_mb(learner.pid), learner.log_path.stat().st_size - log0)
+            # a frame over the limit: ZeroMQ drops that connection before the learner sees it
+            dropped = conn()
+            try:
+                out["over_frame"] = await dropped.request(hello("y" * (2 << 20), "t"), timeout_s=3)
+            except Exception as exc:
+                out["over_frame"] = exc
+            # an oversize multipart message (three frames, each under the per-frame limit)
+            raw = ctx.socket(zmq.DEALER)
+            raw.connect(f"tcp://127.0.0.1:{ports[0]}")
+            big = [b"rid00001", b"\x00" * 900_000, b"\x00" * 900_000, b"\x00" * 900_000]
+            raw.send_multipart(big)
+            with trio.fail_after(30):
+                while not raw.poll(0):
+                    await trio.sleep(0.05)
+            out["oversize"] = codec.decode(raw.recv_multipart()[1:])
+            raw.close(0)
+            out["after"] = await ask(real, Heartbeat(actor_id="real", lease_ids=[leases[1].lease_id], policy_version=0))
+
+    try:
+        trio.run(attack)
+        assert out["hello_takeover"].code == "actor_id_in_use"
+        assert out["goodbye"].code == "not_registered" and out["heartbeat_as_real"].code == "not_registered"
+        assert (out["forged_group"].accepted, out["forged_group"].reason) == (False, "not_holder")
+        assert out["forged_as_real"].code == "not_registered"
+        assert len(out["hoard"].leases) == 3  # learner.max_leases_per_actor
+        assert isinstance(out["real_heartbeat"], HeartbeatAck) and out["real_heartbeat"].unknown_lease_ids == []
+        assert out["real_group"].accepted, out["real_group"]  # never a "duplicate" of the forgery
+        assert out["huge_id_reply"].code == "bad_message"
+        assert type(out["over_frame"]).__name__ == "PeerTimeout"
+        rss0, rss1, log_growth = out["huge_ids"]
+        print(f"100 Hellos with 512 KB ids: learner RSS {rss0:.0f} -> {rss1:.0f} MB, log +{log_growth} bytes")
+        assert log_growth < 100_000 and rss1 - rss0 < 60
+        assert out["oversize"].code == "bad_message" and "over the learner's limit" in out["oversize"].message
+        assert isinstance(out["after"], HeartbeatAck) and out["after"].unknown_lease_ids == []
+        assert learner.alive()
     finally:
         ctx.destroy(linger=0)
         procs.close(grace_s=8)

@@ -18,34 +18,34 @@ def manager(**kw) -> LeaseManager:
 
 def test_admission_follows_areal_rule():
     m = manager(max_staleness=1, groups_per_step=4)
-    assert len(m.grant("a", 100, now=0)) == 8  # (1 + 0 + 1) * 4
-    assert m.grant("a", 1, now=0) == []
+    assert len(m.grant("a1", 100, now=0)) == 8  # (1 + 0 + 1) * 4
+    assert m.grant("a1", 1, now=0) == []
     m.version = 1
-    assert len(m.grant("a", 100, now=0)) == 4
+    assert len(m.grant("a1", 100, now=0)) == 4
 
 
 def test_synchronous_mode_issues_one_batch_per_version():
     m = manager(max_staleness=0, groups_per_step=3)
-    leases = m.grant("a", 10, now=0)
+    leases = m.grant("a1", 10, now=0)
     assert len(leases) == 3 and all(l.policy_version == 0 for l in leases)
     for l in leases[:2]:
         assert m.intake(make_group(l), now=1).accepted
-    assert m.grant("a", 10, now=1) == []  # waiting for the last group
+    assert m.grant("a1", 10, now=1) == []  # waiting for the last group
     assert m.intake(make_group(leases[2]), now=1).accepted
-    assert m.grant("a", 10, now=1) == []  # all in, but not trained/published yet
+    assert m.grant("a1", 10, now=1) == []  # all in, but not trained/published yet
     m.version = 1
-    nxt = m.grant("a", 10, now=2)
+    nxt = m.grant("a1", 10, now=2)
     assert len(nxt) == 3 and all(l.policy_version == 1 for l in nxt)
 
 
 def test_publish_every_scales_the_window():
     m = manager(max_staleness=0, groups_per_step=2, publish_every=3)
-    assert len(m.grant("a", 100, now=0)) == 6
+    assert len(m.grant("a1", 100, now=0)) == 6
 
 
 def test_expired_lease_is_reissued_with_same_task_new_id():
     m = manager(ttl_s=5.0)
-    (l1,) = m.grant("a", 1, now=0)
+    (l1,) = m.grant("a1", 1, now=0)
     assert m.expire(now=4.9) == []
     assert m.expire(now=5.0) == [l1]
     (l2,) = m.grant("b", 1, now=5.0)
@@ -54,8 +54,8 @@ def test_expired_lease_is_reissued_with_same_task_new_id():
 
 def test_every_expiry_is_reported_once_whichever_call_expired_it():
     m = manager(ttl_s=5.0)
-    l1, l2, l3 = m.grant("a", 3, now=0)
-    m.heartbeat("a", [l3.lease_id], now=4)  # l3 lives until 9
+    l1, l2, l3 = m.grant("a1", 3, now=0)
+    m.heartbeat("a1", [l3.lease_id], now=4)  # l3 lives until 9
     (l4,) = m.grant("b", 1, now=6)  # expiring l1 and l2 inside grant, not through expire()
     assert l4.task == l1.task
     assert m.take_expired() == [l1, l2]
@@ -66,23 +66,23 @@ def test_every_expiry_is_reported_once_whichever_call_expired_it():
 
 def test_heartbeat_renews_deadline_and_names_unknown_leases():
     m = manager(ttl_s=5.0)
-    (l1,) = m.grant("a", 1, now=0)
-    assert m.heartbeat("a", [l1.lease_id, "nope"], now=4) == ["nope"]
+    (l1,) = m.grant("a1", 1, now=0)
+    assert m.heartbeat("a1", [l1.lease_id, "nope"], now=4) == ["nope"]
     assert m.expire(now=8) == []
     assert m.heartbeat("b", [l1.lease_id], now=8) == [l1.lease_id]  # not b's lease
     assert m.expire(now=9) == [l1]
-    assert m.heartbeat("a", [l1.lease_id], now=9) == [l1.lease_id]
+    assert m.heartbeat("a1", [l1.lease_id], now=9) == [l1.lease_id]
 
 
 def test_intake_drop_reasons():
     m = manager(ttl_s=5.0)
-    l1, l2, l3, l4 = m.grant("a", 4, now=0)
+    l1, l2, l3, l4 = m.grant("a1", 4, now=0)
     assert m.intake(make_group(l1), now=1).accepted
     assert m.intake(make_group(l1), now=1).reason == "duplicate"
     assert m.intake(make_group(replace(l1, lease_id="zzz")), now=1).reason == "unknown_lease"
     r = m.intake(make_group(l2, failed=True), now=1)
     assert (r.accepted, r.reason) == (False, "failed")
-    assert m.grant("a", 1, now=1)[0].task == l2.task  # failed group's task goes first
+    assert m.grant("a1", 1, now=1)[0].task == l2.task  # failed group's task goes first
     bad = make_group(replace(l3, turn_limit=l3.turn_limit + 1))
     assert m.intake(bad, now=1).reason == "mismatch"
     m.expire(now=100)
@@ -92,7 +92,7 @@ def test_intake_drop_reasons():
 
 def test_group_stale_on_arrival_is_dropped_and_its_task_reissued():
     m = manager(max_staleness=1)
-    (l1, l2) = m.grant("a", 2, now=0)
+    (l1, l2) = m.grant("a1", 2, now=0)
     m.version = 2
     r = m.intake(make_group(l1, version=0), now=1)
     assert (r.accepted, r.reason, r.staleness) == (False, "stale", 2)
@@ -105,7 +105,7 @@ def test_group_fresh_on_arrival_but_stale_when_the_batch_forms_is_not_trained():
     """Sampled at v0, accepted at v1 (staleness 1 = the bound), still waiting when v2 is
     published: training it now would be staleness 2.  form_batch drops and re-issues it."""
     m = manager(max_staleness=1, groups_per_step=1)
-    (l1, l2) = m.grant("a", 2, now=0)
+    (l1, l2) = m.grant("a1", 2, now=0)
     m.version = 1
     r1 = m.intake(make_group(l1, version=0), now=1)
     assert r1.accepted and r1.staleness == 1
@@ -122,25 +122,25 @@ def test_group_fresh_on_arrival_but_stale_when_the_batch_forms_is_not_trained():
 
 def test_goodbye_releases_leases_for_reissue():
     m = manager()
-    mine = m.grant("a", 2, now=0)
+    mine = m.grant("a1", 2, now=0)
     m.grant("b", 1, now=0)
-    assert m.release_actor("a") == mine
+    assert m.release_actor("a1") == mine
     assert m.in_flight == 1
     assert [l.task for l in m.grant("c", 2, now=0)] == [l.task for l in mine]
 
 
 def test_group_leased_under_previous_turn_limit_is_trained_within_staleness():
     m = manager(turn_limit=6)
-    (l1,) = m.grant("a", 1, now=0)
+    (l1,) = m.grant("a1", 1, now=0)
     m.turn_limit = 13
-    (l2,) = m.grant("a", 1, now=0)
+    (l2,) = m.grant("a1", 1, now=0)
     assert (l1.turn_limit, l2.turn_limit) == (6, 13)
     assert m.intake(make_group(l1), now=1).accepted
 
 
 def test_checkpoint_state_reissues_live_and_untrained_tasks():
     m = manager()
-    leases = m.grant("a", 3, now=0)
+    leases = m.grant("a1", 3, now=0)
     m.intake(make_group(leases[0]), now=0)
     st_ = m.state(trained_groups=0, untrained=[leases[0].task])
     m2 = manager()
@@ -173,7 +173,7 @@ def test_no_group_is_trained_beyond_max_staleness_and_nothing_is_lost_or_trained
     now, held, ready, trained_ids, trained_tasks, steps = 0.0, [], [], set(), [], 0
     for op, k in ops:
         if op == "grant":
-            held += m.grant("a", k + 1, now)
+            held += m.grant("a1", k + 1, now)
         elif op in ("return", "fail") and held:
             lease = held.pop(k % len(held))
             v = max(lease.policy_version, m.version - k)  # any version the actor may hold, never the future
