@@ -22,17 +22,53 @@ PutNextS7N4Carrying and KeyInBox as failures); when it gives up a small script t
 for those two mission shapes.  Known unsolvable: minigrid 3.2's strict ``Debug`` levels
 verify the second ``open`` of an ``after you``/``before`` pair against the same toggle, so
 e.g. OpenDoorsOrderN4Debug seed 0 fails for every agent.
+
+Bounded: minigrid's bot can loop forever on some layouts (UnlockToUnlock seed 48, task
+1948: ``replan`` keeps pushing subgoals).  The bot's subgoal stack is a ``BoundedStack``:
+a push beyond ``MAX_SUBGOALS`` subgoals, or after the current oracle call's ``budget_s``,
+raises ``BotGaveUp``, which counts as the bot giving up (the script takes over).  So one
+``next_action`` runs in bounded time and memory; the server's call deadline
+(``envhub.workers``) remains the backstop.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import time
 from dataclasses import dataclass
 
 from envhub.babyai import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, BabyAIEnv, quiet_stdout
 
 _VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid DIR_TO_VEC
+MAX_SUBGOALS = 256
+"""Deeper bot subgoal stacks than this only happen when the bot loops (a sane plan needs < 20)."""
+
+
+class BotGaveUp(Exception):
+    """The bot's plan grew past ``MAX_SUBGOALS`` or the oracle call ran out of time."""
+
+
+class BoundedStack(list):
+    """The bot's subgoal stack; every push checks the bounds (see the module docstring).
+    ``deadline`` (``time.monotonic()``) is shared by reference through ``budget``."""
+
+    def __init__(self, items=(), budget: list[float] | None = None) -> None:
+        super().__init__(items)
+        self.budget = budget if budget is not None else [float("inf")]
+
+    def append(self, item) -> None:
+        if len(self) >= MAX_SUBGOALS:
+            raise BotGaveUp(f"bot plan exceeded {MAX_SUBGOALS} subgoals")
+        if time.monotonic() > self.budget[0]:
+            raise BotGaveUp("bot ran out of time for this call")
+        super().append(item)
+
+    def __deepcopy__(self, memo):
+        out = BoundedStack(budget=self.budget)
+        memo[id(self)] = out
+        out.extend(copy.deepcopy(x, memo) for x in self)
+        return out
 MOVES = (LEFT, RIGHT, FORWARD)
 
 
@@ -55,15 +91,19 @@ class Plan:
 class BabyAIOracle:
     """The expert for one live ``BabyAIEnv`` episode; create it right after ``reset``."""
 
-    def __init__(self, env: BabyAIEnv, horizon: int = 512) -> None:
+    def __init__(self, env: BabyAIEnv, horizon: int = 512, budget_s: float = 5.0) -> None:
         from minigrid.utils.baby_ai_bot import BabyAIBot
 
         self.env = env
         self.horizon = horizon
+        self.budget_s = budget_s
+        """Time one ``next_action`` (and this constructor) may spend in the bot."""
+        self._budget = [time.monotonic() + budget_s]
         self.failed = ""
         self._queue: list[str] = []
         self._explore = 0
         self.bot = BabyAIBot(env.unwrapped)
+        self.bot.stack = BoundedStack(self.bot.stack, self._budget)
         self.suggest = self._replan(self.bot, None)
         env.on_primitive = self._observe
 
@@ -71,12 +111,13 @@ class BabyAIOracle:
         try:
             with quiet_stdout():
                 return int(bot.replan(action))
-        except Exception as exc:  # the bot gives up (e.g. DisappearedBoxError)
-            if bot is self.bot:  # a copy failing only rules out that plan
+        except Exception as exc:  # the bot gives up (e.g. DisappearedBoxError, BotGaveUp)
+            if bot is self.bot or isinstance(exc, BotGaveUp):  # a copy failing only rules out that plan
                 self.failed = f"{type(exc).__name__}: {exc}"
             return None
 
     def _observe(self, prim: int) -> None:
+        self._budget[0] = time.monotonic() + self.budget_s  # a step is not the oracle's call
         if not self.failed:
             self.suggest = self._replan(self.bot, prim)
 
@@ -121,6 +162,7 @@ class BabyAIOracle:
     def next_action(self) -> str:
         """The expert's next high-level action for the live instance (always an available one)."""
         env = self.env
+        self._budget[0] = time.monotonic() + self.budget_s
         if self.failed:
             return self._scripted()
         plan = self.plan()
