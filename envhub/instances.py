@@ -178,6 +178,10 @@ class InstanceTable:
                     out = await self._call(fn, *args, on_late=lambda _f: self.workers.submit(inst.env.close))
                 except ApiError:
                     raise
+                except asyncio.CancelledError:  # shutdown cancelled the request: the call may still run
+                    inst.state = "broken"
+                    self._abandon(inst, kind, "was cancelled")
+                    raise
                 except CallOverran:
                     inst.state = "broken"
                     self._abandon(inst, kind)
@@ -205,9 +209,10 @@ class InstanceTable:
         if kind in ("step", "expert") and inst.state == "done":
             raise ApiError(409, "episode_done", f"the episode of env instance {inst.id} has ended; call POST /reset to start a new one")
 
-    def _abandon(self, inst: Instance, kind: str) -> None:
-        """Take ``inst`` out of the table now; its env is closed when the overrun call returns."""
-        log.warning("env instance %d: %s overran the %.3g s deadline; instance closed", inst.id, kind, self.limits.call_timeout_s)
+    def _abandon(self, inst: Instance, kind: str, why: str = "") -> None:
+        """Take ``inst`` out of the table now; its env is closed when the abandoned call returns."""
+        why = why or f"overran the {self.limits.call_timeout_s:g} s deadline"
+        log.warning("env instance %d: %s %s; instance closed", inst.id, kind, why)
         inst.closing = True
         self._remember_gone(inst.id, "timed_out")
         self._forget(inst)
@@ -315,8 +320,10 @@ class InstanceTable:
             self._forget(inst)
             try:
                 await self._call(inst.env.close)
-            except (CallOverran, ApiError) as exc:
+            except CallOverran as exc:
                 log.warning("closing env instance %d did not complete: %s", inst.id, exc)
+            except ApiError:  # workers exhausted: close it when a thread frees up
+                self.workers.submit(inst.env.close)
             except Exception:
                 log.exception("closing env instance %d failed", inst.id)
         self.counters[why] += 1

@@ -66,10 +66,17 @@ class WorkerPool:
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), timeout_s or self.timeout_s)
             except TimeoutError:
-                self.overrun += 1
-                self.overrun_total += 1
-                fut.add_done_callback(lambda f: self._returned(f, on_late))
+                self._abandon(fut, on_late)
                 raise CallOverran(f"did not finish within {timeout_s or self.timeout_s:g} s") from None
+            except asyncio.CancelledError:  # the request was cancelled (shutdown): same as an overrun
+                if not fut.done():
+                    self._abandon(fut, on_late)
+                raise
+
+    def _abandon(self, fut: Future, on_late: Callable[[Future], None] | None) -> None:
+        self.overrun += 1
+        self.overrun_total += 1
+        fut.add_done_callback(lambda f: self._returned(f, on_late))
 
     def _returned(self, fut: Future, on_late: Callable[[Future], None] | None) -> None:
         self.overrun -= 1
