@@ -12,7 +12,8 @@ head, how large that head may be, or how many connections it holds open.  ``Limi
 
 The body's size and deadline are the app's (``envhub.bodies``); ``timeout_keep_alive`` and
 the graceful-shutdown bound are uvicorn settings (``uvicorn_config``).  What it drops is
-counted in ``STATS`` and logged through ``RateLimitedLog``, so a flood cannot flood the log.
+counted in ``STATS`` and logged through ``RateLimitedLog``, and uvicorn's own per-request
+warnings (malformed requests) pass a ``RateLimitFilter``, so a flood cannot flood the log.
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ class RateLimitedLog:
 
 
 _drop_log = RateLimitedLog(log, per_s=0.2, burst=3)
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets through at most ``burst`` records, refilled at ``per_s`` per second (for uvicorn's
+    one-line-per-bad-request warnings such as "Invalid HTTP request received.")."""
+
+    def __init__(self, per_s: float = 0.2, burst: int = 5) -> None:
+        super().__init__()
+        self.bucket = RateLimitedLog(log, per_s, burst)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        allowed = self.bucket._allow()
+        if allowed and self.bucket.suppressed:
+            record.msg = f"{record.msg} ({self.bucket.suppressed} similar lines suppressed)"
+            self.bucket.suppressed = 0
+        return allowed
 
 
 def limited_protocol(limits: ServerLimits) -> type:
@@ -155,7 +174,9 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits) -> Any:
     """The ``uvicorn.Config`` of an env server with ``limits`` applied."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                          http=limited_protocol(limits),
-                          timeout_keep_alive=max(1, math.ceil(limits.keepalive_timeout_s)),
-                          timeout_graceful_shutdown=max(1, math.ceil(limits.shutdown_timeout_s)))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+                            http=limited_protocol(limits),
+                            timeout_keep_alive=max(1, math.ceil(limits.keepalive_timeout_s)),
+                            timeout_graceful_shutdown=max(1, math.ceil(limits.shutdown_timeout_s)))
+    logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # after Config: it configures logging
+    return config

@@ -301,6 +301,17 @@ def test_client_disconnects_are_logged_briefly_and_rate_limited(babyai):
     assert len(added) < 4096, added
 
 
+def test_malformed_requests_get_400_and_a_bounded_log(babyai):
+    log0 = len(babyai.log())
+    with GoodClient(babyai.port):
+        for n in range(300):
+            reply = raw_exchange(babyai.port, b"GARBAGE\x00 /step HTTP/1.1\r\n\r\n" if n % 2 else b"POST /step HTTP/1.1\r\nContent-Length: x\r\n\r\n", timeout=10)
+            assert reply.startswith(b"HTTP/1.1 400"), reply[:100]
+    added = babyai.log()[log0:]
+    print(f"\n[log] 300 malformed requests added {len(added)} bytes of server log")
+    assert "Traceback" not in added and len(added) < 4096, added
+
+
 def test_lone_surrogates_are_refused_at_the_door_and_the_instance_stays_usable():
     server = Server("textcraft", {})
     try:
