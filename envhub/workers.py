@@ -62,16 +62,23 @@ class WorkerPool:
         if self._live is None:
             self._live = asyncio.Semaphore(self.threads)
         async with self._live:
-            fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(self.executor, fn, *args)
+            waiter = loop.create_future()  # done when fut is, or at the deadline (cheaper than wait_for + shield)
+            fut.add_done_callback(lambda _f: waiter.done() or waiter.set_result(None))
+            timer = loop.call_later(timeout_s or self.timeout_s, lambda: waiter.done() or waiter.set_result(None))
             try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout_s or self.timeout_s)
-            except TimeoutError:
-                self._abandon(fut, on_late)
-                raise CallOverran(f"did not finish within {timeout_s or self.timeout_s:g} s") from None
+                await waiter
             except asyncio.CancelledError:  # the request was cancelled (shutdown): same as an overrun
                 if not fut.done():
                     self._abandon(fut, on_late)
                 raise
+            finally:
+                timer.cancel()
+            if not fut.done():
+                self._abandon(fut, on_late)
+                raise CallOverran(f"did not finish within {timeout_s or self.timeout_s:g} s")
+            return fut.result()
 
     def _abandon(self, fut: Future, on_late: Callable[[Future], None] | None) -> None:
         self.overrun += 1
