@@ -264,7 +264,8 @@ async def _close_family(family: EnvFamily, timeout_s: float) -> None:
         except Exception:
             log.exception("closing the env family failed")
         finally:
-            loop.call_soon_threadsafe(done.set)
+            with contextlib.suppress(RuntimeError):  # the loop already closed: nobody waits
+                loop.call_soon_threadsafe(done.set)
 
     threading.Thread(target=run, name="family-close", daemon=True).start()
     try:

@@ -431,7 +431,6 @@ def test_searchqa_action_of_repeated_search_tags_does_not_stall_the_server():
 
 
 # -- a call that never returns: deadline, broken instance, exhaustion, bounded shutdown ---------
-@pytest.mark.slow
 def test_env_calls_past_the_deadline_break_only_their_instance_and_shutdown_stays_bounded():
     hang = "{median_s:1000,sigma:0,max_s:1000,steps_median:0}"  # every step sleeps 1000 s
     server = Server("babyai", {"limits.call_timeout_s": 2, "limits.max_overrun_calls": 2, "options.server_threads": 2,
