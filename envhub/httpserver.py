@@ -94,7 +94,10 @@ class RateLimitFilter(logging.Filter):
 
 def limited_protocol(limits: ServerLimits) -> type:
     """uvicorn's httptools protocol with the connection limits of ``limits``."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError as exc:
+        raise ImportError(f"envhub's HTTP limits need httptools ({exc}); install it with: pip install 'uvicorn[standard]'") from exc
 
     class LimitedHttp(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
