@@ -3,9 +3,13 @@
 Reading (``read_json_object``), in this order, each failure an ``ApiError`` that says what
 was wrong:
 1. a ``Content-Length`` above ``max_body_bytes`` is refused before one body byte is read
-   (413, and the connection is closed since the body was not consumed);
+   (413);
 2. the body is counted while it streams: the first chunk past the limit stops the read (413);
-3. the whole body must arrive within ``body_timeout_s`` of the headers (408);
+   the rest of a refused body is discarded, not stored, for at most ``LINGER_S``
+   (``envhub.httpserver``), so a client that writes its whole body before reading still
+   gets the 413 instead of a connection reset;
+3. the whole body must arrive within ``body_timeout_s`` of the headers (408, connection
+   closed);
 4. it must be UTF-8 JSON (422 ``invalid_json``), an object, no deeper than ``max_json_depth``
    (422 ``too_deep``; a depth that blows the decoder's recursion is the same answer) and
    every string in it must be encodable as UTF-8 (422 ``invalid_text``: a lone surrogate
@@ -33,15 +37,14 @@ async def read_body(request: Request, limits: ServerLimits) -> bytes:
     limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body_too_large", f"request body is {int(declared)} bytes (Content-Length); the limit is {limit} (env.limits.max_body_bytes)",
-                       close_connection=True)
+        raise ApiError(413, "body_too_large", f"request body is {int(declared)} bytes (Content-Length); the limit is {limit} (env.limits.max_body_bytes)")
     buf = bytearray()
     try:
         async with asyncio.timeout(limits.body_timeout_s):
             async for chunk in request.stream():
                 buf += chunk
                 if len(buf) > limit:
-                    raise ApiError(413, "body_too_large", f"request body exceeds the limit of {limit} bytes (env.limits.max_body_bytes)", close_connection=True)
+                    raise ApiError(413, "body_too_large", f"request body exceeds the limit of {limit} bytes (env.limits.max_body_bytes)")
     except TimeoutError:
         raise ApiError(408, "body_timeout", f"the request body did not arrive within {limits.body_timeout_s:g} s (env.limits.body_timeout_s); "
                        f"got {len(buf)} bytes", close_connection=True) from None

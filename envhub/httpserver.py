@@ -8,7 +8,10 @@ head, how large that head may be, or how many connections it holds open.  ``Limi
 - a request's line and headers must arrive within ``header_timeout_s`` of the connection
   opening (or, on a kept-alive connection, of the request's first byte), else the
   connection is closed;
-- a request head larger than ``MAX_HEAD_BYTES`` closes the connection.
+- a request head larger than ``MAX_HEAD_BYTES`` closes the connection;
+- a request answered before its body was read (413) has the rest of its body discarded
+  (never stored) for at most ``LINGER_S``, then the connection is closed: closing at once
+  would reset the connection under a client still writing, and it would never read the 413.
 
 The body's size and deadline are the app's (``envhub.bodies``); ``timeout_keep_alive`` and
 the graceful-shutdown bound are uvicorn settings (``uvicorn_config``).  What it drops is
@@ -31,9 +34,11 @@ log = logging.getLogger("envhub")
 
 MAX_HEAD_BYTES = 64 * 1024
 """Request line plus headers."""
+LINGER_S = 5.0
+"""How long the unread rest of an answered request's body is discarded before closing."""
 
 STATS: collections.Counter[str] = collections.Counter()
-"""``refused_connections``, ``header_timeouts``, ``oversized_heads`` (this process)."""
+"""``refused_connections``, ``header_timeouts``, ``oversized_heads``, ``lingering_closes`` (this process)."""
 
 
 class RateLimitedLog:
@@ -101,6 +106,7 @@ def limited_protocol(limits: ServerLimits) -> type:
 
     class LimitedHttp(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _linger_timer: asyncio.TimerHandle | None = None
         _head_bytes = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -164,10 +170,28 @@ def limited_protocol(limits: ServerLimits) -> type:
         def on_message_complete(self) -> None:
             if self.cycle is None or self.transport.is_closing():
                 return
+            if self._linger_timer is not None:  # the discarded body ended: the connection goes on
+                self._linger_timer.cancel()
+                self._linger_timer = None
             super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            unread = self.cycle is not None and self.cycle.more_body
+            super().on_response_complete()
+            if unread and not self.transport.is_closing() and self._linger_timer is None:
+                self._linger_timer = self.loop.call_later(LINGER_S, self._linger_over)
+
+        def _linger_over(self) -> None:
+            self._linger_timer = None
+            if not self.transport.is_closing():
+                STATS["lingering_closes"] += 1
+                self.transport.abort()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_timer()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
             super().connection_lost(exc)
 
     return LimitedHttp

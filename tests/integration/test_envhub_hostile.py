@@ -221,9 +221,22 @@ def test_expert_call_where_minigrids_bot_loops_answers_within_the_deadline(babya
 
 def test_content_length_over_the_limit_is_refused_before_the_body_is_read(babyai):
     head = b"POST /step HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n"
-    reply = raw_exchange(babyai.port, head + b'{"id": 1', timeout=15)
-    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
-    assert b"body_too_large" in reply and b"Traceback" not in reply
+    with socket.create_connection((HOST, babyai.port), timeout=15) as s:
+        s.sendall(head + b'{"id": 1')
+        reply = recv_all(s, 15)
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert b"body_too_large" in reply and b"Traceback" not in reply
+        t0 = time.monotonic()  # the rest of the body never comes: the server stops waiting for it
+        assert recv_all(s, 20) == b""
+        assert time.monotonic() - t0 < 20
+    assert healthy(babyai.port)
+
+
+def test_a_client_that_writes_its_whole_oversized_body_before_reading_gets_the_413(babyai):
+    big = json.dumps({"id": 1, "action": "x" * (8 << 20)}).encode()
+    for _ in range(5):
+        s, body, _ = call(babyai.port, "POST", "/step", raw=big)  # http.client sends it all, then reads
+        assert s == 413 and body["error"]["code"] == "body_too_large", (s, body)
     assert healthy(babyai.port)
 
 
