@@ -183,9 +183,9 @@ LIMITS = {
     "max_instances": 8,
     "limits.call_timeout_s": 10,
     "limits.max_instances_per_client": 3,
-    "limits.body_timeout_s": 2,
-    "limits.header_timeout_s": 2,
-    "limits.keepalive_timeout_s": 2,
+    "limits.body_timeout_s": 4,
+    "limits.header_timeout_s": 4,
+    "limits.keepalive_timeout_s": 4,
     "limits.max_connections": 64,
 }
 
