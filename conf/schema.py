@@ -32,6 +32,44 @@ class TasksConfig:
 
 
 @dataclass(kw_only=True)
+class ServerLimits:
+    """What one envhub server bounds, so that no client (buggy or hostile) can stall it,
+    exhaust its memory or act for another client.  README "Security and limits"."""
+
+    call_timeout_s: float = 60.0
+    """Deadline of every env call (create, reset, step, observation, expert, hint, close).
+    A call past it answers 504 and its instance is broken and disposed of."""
+    max_overrun_calls: int = 8
+    """Env calls past their deadline that may still hold a worker thread; at this many,
+    ``/health`` answers 503 and new env calls are refused with 503 until some return."""
+    max_instances_per_client: int = 0
+    """Instances one client may hold (0: ``max_instances``).  A client is the peer IP
+    address plus the optional ``X-Envhub-Client`` header token."""
+    max_body_bytes: int = 1 << 20
+    """Request body limit: a larger ``Content-Length`` is refused before reading (413),
+    a body without one is counted while it streams."""
+    max_json_depth: int = 32
+    """Deepest nesting of arrays/objects a request body may have (422 beyond)."""
+    header_timeout_s: float = 10.0
+    """A request's line and headers must arrive within this (else the connection closes)."""
+    body_timeout_s: float = 30.0
+    """A request's body must arrive within this once its headers did (else 408)."""
+    keepalive_timeout_s: float = 15.0
+    """An idle keep-alive connection is closed after this."""
+    max_connections: int = 1024
+    """Open HTTP connections; a connection beyond it is closed at once."""
+    shutdown_timeout_s: float = 10.0
+    """Bound on the graceful part of shutdown (open requests, closing instances)."""
+
+    def __post_init__(self) -> None:
+        for key in ("call_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "shutdown_timeout_s"):
+            _require(getattr(self, key) > 0, f"env.limits.{key}", "must be > 0 seconds")
+        for key in ("max_overrun_calls", "max_body_bytes", "max_json_depth", "max_connections"):
+            _require(getattr(self, key) > 0, f"env.limits.{key}", "must be > 0")
+        _require(self.max_instances_per_client >= 0, "env.limits.max_instances_per_client", "must be >= 0 (0: max_instances)")
+
+
+@dataclass(kw_only=True)
 class EnvConfig:
     """One env family: the envhub server's settings and where clients find it."""
 
@@ -51,6 +89,8 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Env-specific options (levels, corpus paths, JVM pool size, ...)."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    """Deadlines, sizes, quotas and connection limits of the server."""
 
     def __post_init__(self) -> None:
         _require(self.name in ENV_NAMES, "env.name", f"unknown env {self.name!r}; choose one of {sorted(ENV_NAMES)}")

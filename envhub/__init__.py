@@ -2,6 +2,9 @@
 
 - ``base``: the ``Env`` / ``EnvFamily`` interface every env implements.
 - ``server`` (+ ``instances``): ``create_app(family, cfg)``, the HTTP server of one family.
+- ``workers``: env calls in worker threads under a deadline; ``bodies``: request bodies and
+  JSON responses within the limits; ``httpserver``: uvicorn with connection, header and
+  keep-alive limits (README "Security and limits").
 - ``main``: ``turnscale envhub env=<name> host=... port=...`` / ``python -m envhub``.
 - ``launch``: start a server child process and wait for ``/health`` (tests, benchmarks, run).
 - ``client`` (+ ``http11``): ``EnvClient``, the async (trio) client the actors use.

@@ -22,6 +22,13 @@ PutNextS7N4Carrying and KeyInBox as failures); when it gives up a small script t
 for those two mission shapes.  Known unsolvable: minigrid 3.2's strict ``Debug`` levels
 verify the second ``open`` of an ``after you``/``before`` pair against the same toggle, so
 e.g. OpenDoorsOrderN4Debug seed 0 fails for every agent.
+
+Bounded: minigrid's bot can loop forever on some layouts (UnlockToUnlock seed 48, task
+1948: ``replan`` keeps pushing subgoals; 24 of the level's first 64 seeds do).  The bot's
+subgoal stack is a ``BoundedStack``: a push beyond ``MAX_SUBGOALS`` subgoals raises
+``BotGaveUp``, which counts as the bot giving up (the script takes over).  The bound is a
+count, not a clock, so the expert stays deterministic on a loaded machine; the server's call
+deadline (``envhub.workers``) remains the backstop for anything else.
 """
 
 from __future__ import annotations
@@ -33,6 +40,28 @@ from dataclasses import dataclass
 from envhub.babyai import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, BabyAIEnv, quiet_stdout
 
 _VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid DIR_TO_VEC
+MAX_SUBGOALS = 256
+"""Deeper bot subgoal stacks than this only happen when the bot loops (a sane plan needs < 20)."""
+
+
+class BotGaveUp(Exception):
+    """The bot's plan grew past ``MAX_SUBGOALS`` (it was looping)."""
+
+
+class BoundedStack(list):
+    """The bot's subgoal stack; a push past ``MAX_SUBGOALS`` raises ``BotGaveUp``.  Copies
+    (the oracle's look-ahead deep-copies the bot) stay bounded."""
+
+    def append(self, item) -> None:
+        if len(self) >= MAX_SUBGOALS:
+            raise BotGaveUp(f"bot plan exceeded {MAX_SUBGOALS} subgoals")
+        super().append(item)
+
+    def __deepcopy__(self, memo):
+        out = BoundedStack()
+        memo[id(self)] = out
+        out.extend(copy.deepcopy(x, memo) for x in self)
+        return out
 MOVES = (LEFT, RIGHT, FORWARD)
 
 
@@ -64,6 +93,7 @@ class BabyAIOracle:
         self._queue: list[str] = []
         self._explore = 0
         self.bot = BabyAIBot(env.unwrapped)
+        self.bot.stack = BoundedStack(self.bot.stack)
         self.suggest = self._replan(self.bot, None)
         env.on_primitive = self._observe
 
@@ -71,8 +101,8 @@ class BabyAIOracle:
         try:
             with quiet_stdout():
                 return int(bot.replan(action))
-        except Exception as exc:  # the bot gives up (e.g. DisappearedBoxError)
-            if bot is self.bot:  # a copy failing only rules out that plan
+        except Exception as exc:  # the bot gives up (e.g. DisappearedBoxError, BotGaveUp)
+            if bot is self.bot or isinstance(exc, BotGaveUp):  # a copy failing only rules out that plan
                 self.failed = f"{type(exc).__name__}: {exc}"
             return None
 

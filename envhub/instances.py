@@ -1,16 +1,21 @@
 """The instance table of one env server: ids, per-instance locks, limits, idle expiry, metrics.
 
 Invariants:
-- Ids come from a counter and are never reused within a process.  The counter starts at a
-  random multiple of 1024 below 2**30 (``first_id`` fixes it), so a restarted server does not
-  hand out the ids of the instances its predecessor's clients still hold: their requests
-  get 404 instead of driving another client's new instance.
+- Ids are unguessable JSON integers: drawn uniformly from [1, 2**53) by ``secrets`` and never
+  reused within a process, so knowing your own ids says nothing about another client's, and
+  a restarted server does not hand out ids its predecessor's clients still hold.  Holding
+  an id is what lets a client drive an instance (AgentGym's clients send back the bare int).
 - Every env call on an instance runs while holding that instance's ``asyncio.Lock``, in a
-  worker thread (so different ids run in parallel and one id is serialised).
+  worker thread (``envhub.workers``; different ids run in parallel, one id is serialised),
+  under the ``call_timeout_s`` deadline.  A call past it answers 504; the instance is taken
+  out of the table at once (its lock released, later calls on the id answer 410) and its
+  env is closed in the background when the abandoned call finally returns.
 - An instance is in exactly one state: ``new`` (created, not reset), ``running``, ``done``
   (episode ended; only ``reset`` or ``close`` allowed), ``broken`` (an env call raised; only
-  ``close`` allowed) or gone from the table (closed or expired; the id is remembered so
-  ``close`` stays idempotent and errors can say what happened).
+  ``close`` allowed) or gone from the table (closed, expired or timed out; the id is
+  remembered so ``close`` stays idempotent and errors can say what happened).
+- Each instance belongs to the client that created it (``client``: peer address plus the
+  optional ``X-Envhub-Client`` token); a client holds at most ``max_instances_per_client``.
 - The sweeper closes instances idle longer than ``idle_timeout_s`` that are not in use.
 """
 
@@ -21,28 +26,33 @@ import collections
 import logging
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from conf.schema import ServerLimits
 from envhub.base import Env, EnvBusy, EnvFamily, ResetResult, StepResult
+from envhub.workers import CallOverran, WorkerPool, WorkersExhausted
 
 log = logging.getLogger("envhub")
 
 BUSY_RETRY_AFTER_S = 5
-"""``Retry-After`` of a 503 ``busy`` answer (``EnvBusy``)."""
+"""``Retry-After`` of a 503 ``busy`` answer (``EnvBusy``) and of a 429 instance limit."""
+MAX_ID = 1 << 53
+"""Ids stay below 2**53 so every JSON client (doubles included) reads them exactly."""
 
 
 class ApiError(Exception):
     """An error the server answers with ``status`` and ``{"error": {"code", "message"}}``
     (plus a ``Retry-After`` header when ``retry_after_s`` is set)."""
 
-    def __init__(self, status: int, code: str, message: str, retry_after_s: int | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after_s: int | None = None, *, close_connection: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.close_connection = close_connection
+        """Answer with ``Connection: close`` (the request's body was not read to its end)."""
 
 
 @dataclass
@@ -58,6 +68,8 @@ class Instance:
     users: int = 0
     """Requests currently holding or waiting for the lock (the sweeper skips busy ones)."""
     closing: bool = False
+    client: str = ""
+    """Who created it (counts against that client's quota)."""
 
 
 class Latency:
@@ -86,26 +98,46 @@ class InstanceTable:
     """All instances of one server process; every public method runs on the event loop."""
 
     def __init__(self, family: EnvFamily, *, max_instances: int, idle_timeout_s: float, max_env_steps: int = 0, threads: int = 32,
-                 first_id: int | None = None) -> None:
+                 limits: ServerLimits | None = None) -> None:
         self.family = family
+        self.limits = limits or ServerLimits()
         self.max_instances = max_instances
+        self.max_per_client = self.limits.max_instances_per_client or max_instances
+        self.per_client: collections.Counter[str] = collections.Counter()
         self.idle_timeout_s = idle_timeout_s
         self.max_env_steps = max_env_steps
         self.instances: dict[int, Instance] = {}
         self.gone: collections.OrderedDict[int, str] = collections.OrderedDict()
-        """Recently closed/expired ids -> ``closed`` | ``expired`` (bounded)."""
-        self.next_id = secrets.randbelow(1 << 20) << 10 if first_id is None else first_id
+        """Recently closed/expired/timed-out ids -> ``closed`` | ``expired`` | ``timed_out`` (bounded)."""
         self.pending_creates = 0
         """Creations awaiting ``family.create`` (they count against the limit)."""
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
+        self.workers = WorkerPool(threads, self.limits.max_overrun_calls, self.limits.call_timeout_s)
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
         self.latency: dict[str, Latency] = collections.defaultdict(Latency)
         self.started = time.time()
 
     # -- helpers ---------------------------------------------------------------------
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def _call(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None) -> Any:
+        """``fn(*args)`` in a worker thread under the call deadline (``CallOverran`` past it)."""
+        try:
+            return await self.workers.call(fn, *args, on_late=on_late)
+        except WorkersExhausted as exc:
+            raise ApiError(503, "workers_exhausted", f"the server cannot start env calls now: {exc}; retry later (GET /health says when it recovers)",
+                           retry_after_s=BUSY_RETRY_AFTER_S) from None
+
+    def _new_id(self) -> int:
+        while True:
+            env_id = 1 + secrets.randbelow(MAX_ID - 1)
+            if env_id not in self.instances and env_id not in self.gone:
+                return env_id
+
+    def health(self) -> str:
+        """Empty when the server can serve; else why not."""
+        if self.workers.exhausted:
+            return (f"workers exhausted: {self.workers.overrun} env calls overran their {self.limits.call_timeout_s:g} s deadline "
+                    "and still hold worker threads")
+        return ""
 
     def _get(self, env_id: int) -> Instance:
         inst = self.instances.get(env_id)
@@ -113,6 +145,8 @@ class InstanceTable:
             why = self.gone.get(env_id)
             if why == "expired":
                 msg = f"env instance {env_id} expired after {self.idle_timeout_s:g} s idle; create a new one"
+            elif why == "timed_out":
+                raise ApiError(410, "broken", f"env instance {env_id} was closed because a call on it overran the {self.limits.call_timeout_s:g} s deadline; create a new one")
             elif why == "closed" or (inst is not None and inst.closing):
                 msg = f"env instance {env_id} is closed; create a new one"
             else:
@@ -141,9 +175,18 @@ class InstanceTable:
                 self._check_state(inst, kind)
                 t0 = time.perf_counter()
                 try:
-                    out = await self._call(fn, *args)
+                    out = await self._call(fn, *args, on_late=lambda _f: self.workers.submit(inst.env.close))
                 except ApiError:
                     raise
+                except asyncio.CancelledError:  # shutdown cancelled the request: the call may still run
+                    inst.state = "broken"
+                    self._abandon(inst, kind, "was cancelled")
+                    raise
+                except CallOverran:
+                    inst.state = "broken"
+                    self._abandon(inst, kind)
+                    raise ApiError(504, "deadline_exceeded", f"env instance {inst.id}: {kind} did not finish within {self.limits.call_timeout_s:g} s; "
+                                   "the instance is broken and was closed: create a new one") from None
                 except EnvBusy as exc:  # temporary: the instance stays usable
                     if kind == "reset":  # the old episode was given up before the resource ran out
                         inst.state = "new"
@@ -166,24 +209,59 @@ class InstanceTable:
         if kind in ("step", "expert") and inst.state == "done":
             raise ApiError(409, "episode_done", f"the episode of env instance {inst.id} has ended; call POST /reset to start a new one")
 
+    def _abandon(self, inst: Instance, kind: str, why: str = "") -> None:
+        """Take ``inst`` out of the table now; its env is closed when the abandoned call returns."""
+        why = why or f"overran the {self.limits.call_timeout_s:g} s deadline"
+        log.warning("env instance %d: %s %s; instance closed", inst.id, kind, why)
+        inst.closing = True
+        self._remember_gone(inst.id, "timed_out")
+        self._forget(inst)
+        self.counters["timed_out"] += 1
+
+    def _forget(self, inst: Instance) -> None:
+        if self.instances.pop(inst.id, None) is inst:
+            self.per_client[inst.client] -= 1
+            if self.per_client[inst.client] <= 0:
+                del self.per_client[inst.client]
+
     # -- operations ------------------------------------------------------------------
-    async def create(self) -> int:
+    async def create(self, client: str = "") -> int:
+        """A new instance owned by ``client``; 429 (with ``Retry-After``) past the server's
+        or the client's instance limit."""
         if len(self.instances) + self.pending_creates >= self.max_instances:
-            self.errors["too_many_instances"] += 1
-            raise ApiError(429, "too_many_instances", f"instance limit reached ({self.max_instances}); close unused instances or raise env.max_instances")
-        env_id = self.next_id
-        self.next_id += 1
+            raise ApiError(429, "too_many_instances", f"instance limit reached ({self.max_instances}); close unused instances or raise env.max_instances",
+                           retry_after_s=BUSY_RETRY_AFTER_S)
+        if self.per_client[client] >= self.max_per_client:
+            raise ApiError(429, "client_quota", f"this client ({client}) holds {self.per_client[client]} instances, its limit "
+                           f"(env.limits.max_instances_per_client); close unused instances", retry_after_s=BUSY_RETRY_AFTER_S)
+        env_id = self._new_id()
         self.pending_creates += 1
+        self.per_client[client] += 1
+        created = False
         try:
-            env = await self._call(self.family.create)
+            env = await self._call(self.family.create, on_late=self._close_late_env)
+            created = True
+        except ApiError:
+            raise
+        except CallOverran:
+            raise ApiError(504, "deadline_exceeded", f"creating an env instance did not finish within {self.limits.call_timeout_s:g} s; retry later") from None
         except Exception as exc:
             log.exception("creating an env instance failed")
             raise ApiError(500, "env_error", f"creating an env instance failed ({type(exc).__name__}); see the server log") from None
         finally:
             self.pending_creates -= 1
-        self.instances[env_id] = Instance(env_id, env)
+            if not created:
+                self.per_client[client] -= 1
+                if self.per_client[client] <= 0:
+                    del self.per_client[client]
+        self.instances[env_id] = Instance(env_id, env, client=client)
         self.counters["created"] += 1
         return env_id
+
+    def _close_late_env(self, fut: Any) -> None:
+        """A ``family.create`` that returned after its deadline: nobody holds that env."""
+        if not fut.cancelled() and fut.exception() is None:
+            self.workers.submit(fut.result().close)
 
     async def reset(self, env_id: int, data_idx: int) -> ResetResult:
         inst = self._get(env_id)
@@ -238,10 +316,14 @@ class InstanceTable:
             return
         inst.closing = True
         self._remember_gone(inst.id, why)
-        async with inst.lock:  # wait for an in-flight call to finish
-            self.instances.pop(inst.id, None)
+        async with inst.lock:  # wait for an in-flight call to finish (bounded by its deadline)
+            self._forget(inst)
             try:
                 await self._call(inst.env.close)
+            except CallOverran as exc:
+                log.warning("closing env instance %d did not complete: %s", inst.id, exc)
+            except ApiError:  # workers exhausted: close it when a thread frees up
+                self.workers.submit(inst.env.close)
             except Exception:
                 log.exception("closing env instance %d failed", inst.id)
         self.counters[why] += 1
@@ -264,10 +346,15 @@ class InstanceTable:
             except Exception:  # never let the sweeper die silently
                 log.exception("idle sweeper failed")
 
-    async def close_all(self) -> None:
-        for inst in list(self.instances.values()):
-            await self._dispose(inst, "closed")
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    async def close_all(self, timeout_s: float | None = None) -> None:
+        """Close every instance concurrently, giving up after ``timeout_s``
+        (``limits.shutdown_timeout_s``); then stop the worker pool without waiting for it."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(self._dispose(i, "closed") for i in list(self.instances.values())), return_exceptions=True),
+                                   timeout_s or self.limits.shutdown_timeout_s)
+        except TimeoutError:
+            log.warning("shutdown: %d env instances still closing after %.3g s; leaving them", len(self.instances), timeout_s or self.limits.shutdown_timeout_s)
+        self.workers.shutdown()
 
     def metrics(self) -> dict[str, Any]:
         return {
@@ -277,6 +364,10 @@ class InstanceTable:
             "created": self.counters["created"],
             "closed": self.counters["closed"],
             "expired": self.counters["expired"],
+            "timed_out": self.counters["timed_out"],
+            "client_disconnects": self.counters["client_disconnects"],
+            "overrun_calls_running": self.workers.overrun,
+            "clients": len(self.per_client),
             "resets": self.counters["resets"],
             "steps": self.counters["steps"],
             "errors": dict(self.errors),

@@ -2,8 +2,11 @@
 
 ``host=`` and ``port=`` at top level are shorthands for ``env.host`` / ``env.port``.  The
 process redirects its stdout to stderr (envs such as minigrid print during level
-generation), serves with uvicorn until SIGTERM/SIGINT, then closes every instance and the
-family and exits 0.
+generation), serves with uvicorn (``envhub.httpserver``: connection, header and keep-alive
+limits) until SIGTERM/SIGINT, then closes every instance and the family, each step bounded
+by ``env.limits.shutdown_timeout_s``, and exits 0.  The exit does not wait for worker
+threads: an env call that overran its deadline may never return, and the interpreter's
+usual exit would join its thread forever.
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             pass
     logging.basicConfig(level=logging.INFO, format="%(asctime)s envhub[%(process)d] %(levelname)s %(message)s", stream=sys.stderr)
     _quiet_stdout()
-    return serve(cfg.env)
+    rc = serve(cfg.env)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(rc)  # not sys.exit: that joins every worker thread, including abandoned ones
 
 
 def serve(env_cfg) -> int:
@@ -67,6 +73,7 @@ def serve(env_cfg) -> int:
             if sig == signal.SIGTERM:
                 self._captured_signals.remove(sig)
 
+    from envhub.httpserver import uvicorn_config
     from envhub.registry import make_family
     from envhub.server import create_app
 
@@ -76,7 +83,7 @@ def serve(env_cfg) -> int:
         sys.setswitchinterval(float(env_cfg.options["switch_interval_s"]))
     family = make_family(env_cfg)
     app = create_app(family, env_cfg, threads=int(env_cfg.options.get("server_threads", 8)))
-    config = uvicorn.Config(app, host=env_cfg.host, port=env_cfg.port, log_level="warning", access_log=False, timeout_keep_alive=75, lifespan="on")
+    config = uvicorn_config(app, env_cfg.host, env_cfg.port, env_cfg.limits)
     server = _Server(config)
     logging.getLogger("envhub").info("serving %s on http://%s:%d", env_cfg.name, env_cfg.host, env_cfg.port)
     server.run()

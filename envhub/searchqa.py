@@ -65,10 +65,37 @@ RIGHT = "Congratulations! You have answered the question correctly."
 WRONG = "Sorry, your answer is incorrect. The episode has ended."
 EMPTY_QUERY = "Your search query is empty. Put the words to search for between <search> and </search>."
 
-_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN = re.compile(r"<(search|answer)>")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def first_action(text: str) -> tuple[str, str] | None:
+    """``(kind, content)`` of the first ``<search>...</search>`` or ``<answer>...</answer>``
+    pair — the earliest opening tag that has its closing tag somewhere after it, content up
+    to the first such closing tag — or ``None``.  Same result as the regex
+    ``<(search|answer)>(.*?)</\\1>`` (DOTALL) searched once, but O(len(text)): that regex
+    rescans to the end from every unclosed opening tag (quadratic in the action's length)."""
+    last_close = {kind: text.rfind(f"</{kind}>") for kind in ("search", "answer")}
+    for m in _OPEN.finditer(text):
+        kind = m.group(1)
+        if last_close[kind] >= m.end():
+            return kind, text[m.end():text.find(f"</{kind}>", m.end())]
+    return None
+
+
+def last_answer(text: str) -> str | None:
+    """The content of the last of the non-overlapping ``<answer>...</answer>`` pairs read left
+    to right (what ``re.findall(r"<answer>(.*?)</answer>")[-1]`` gives), in O(len(text))."""
+    found, pos = None, 0
+    while True:
+        start = text.find("<answer>", pos)
+        if start < 0:
+            return found
+        end = text.find("</answer>", start + 8)
+        if end < 0:
+            return found
+        found, pos = text[start + 8:end], end + 9
 
 
 def normalize_answer(s: str) -> str:
@@ -154,20 +181,20 @@ class SearchQAEnv:
     def step(self, action: str) -> StepResult:
         if self.item is None:
             raise RuntimeError("step() before reset()")
-        m = _ACTION.search(action)
-        kind = m.group(1) if m else "invalid"
+        m = first_action(action)
+        kind = m[0] if m else "invalid"
         reward, done = 0.0, False
         if m is None:
             obs = INVALID
         elif kind == "search":
-            query = m.group(2).strip()
+            query = m[1].strip()
             if not query:
                 obs = EMPTY_QUERY
             else:
                 docs = self._retriever.search([query], self._top_k)[0]
                 obs = f"<information>{passages(docs)}</information>"
         else:
-            answer = _ANSWER.findall(action)[-1].strip()
+            answer = (last_answer(action) or "").strip()
             done = True
             if exact_match(answer, list(self.item.golden_answers)):
                 obs, reward = RIGHT, 1.0

@@ -21,39 +21,51 @@ Routes (JSON in, JSON out):
 Errors are real status codes with ``{"error": {"code", "message"}}``: 404 unknown / closed /
 expired id or route, 405 wrong method, 413 body too large, 422 malformed body or missing
 field, 409 step before reset or after the episode ended, 410 instance broken by an earlier
-internal error, 429 instance limit, 501 no expert for this env, 503 busy (``EnvBusy``: a
+internal error or closed after a call overran its deadline, 429 instance limit (server-wide
+or the client's quota; ``Retry-After`` set), 408 body too slow, 501 no expert for this env, 503 busy (``EnvBusy``: a
 shared resource such as the SciWorld JVM pool is exhausted; ``Retry-After`` is set and the
-instance stays usable), 500 internal failure (instance marked broken).  No stack trace is
-ever sent; the server logs it.
+instance stays usable; ``workers_exhausted``: too many env calls overran their deadline),
+504 an env call overran ``env.limits.call_timeout_s`` (instance closed), 500 internal
+failure (instance marked broken).  No stack trace is ever sent; the server logs it.
+
+Limits (``env.limits``, README "Security and limits"): bodies are size- and time-bounded
+while they are read and must be shallow, valid-Unicode JSON (``envhub.bodies``); every env
+call has a deadline (``envhub.workers``); a client is the peer IP address plus the optional
+``X-Envhub-Client`` header token (``client_key``), and holds at most
+``max_instances_per_client`` instances; connections, header reads and keep-alive are bounded
+in the HTTP protocol (``envhub.httpserver``).  A client that disconnects mid-request is
+logged once, briefly, at a bounded rate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from envhub.base import EnvFamily
+from envhub.bodies import encode_json, parse_json_object, read_body
+from envhub.httpserver import STATS, RateLimitedLog
 from envhub.instances import ApiError, InstanceTable
 
 log = logging.getLogger("envhub")
 
-MAX_BODY_BYTES = 1 << 20
 MAX_ACTION_CHARS = 64 * 1024
+CLIENT_HEADER = "x-envhub-client"
+"""Optional header: a token naming the client (e.g. one per actor process) for quotas."""
+MAX_CLIENT_TOKEN = 64
 
 
 def _json(data: Any, status: int = 200) -> Response:
-    body = json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str).encode()
-    return Response(body, status_code=status, media_type="application/json")
+    return Response(encode_json(data), status_code=status, media_type="application/json")
 
 
 def error_response(status: int, code: str, message: str) -> Response:
@@ -62,20 +74,19 @@ def error_response(status: int, code: str, message: str) -> Response:
 
 # -- request parsing (pure) --------------------------------------------------------------
 async def _body(request: Request, *, required: bool = True) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, "body_too_large", f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
-    if not raw.strip():
-        if required:
-            raise ApiError(422, "invalid_body", "request body is empty; send a JSON object")
-        return {}
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(422, "invalid_json", f"request body is not valid JSON ({exc.__class__.__name__}: {str(exc)[:120]})") from None
-    if not isinstance(data, dict):
-        raise ApiError(422, "invalid_body", f"request body must be a JSON object, got {type(data).__name__}")
-    return data
+    limits = _table(request).limits
+    return parse_json_object(await read_body(request, limits), limits, required=required)
+
+
+def client_key(request: Request) -> str:
+    """Who a request comes from, for quotas: the peer IP address, plus the ``X-Envhub-Client``
+    token when sent (so processes behind one address can have separate quotas).  Not an
+    authentication: an instance id is the capability that lets a client drive an instance."""
+    host = request.client.host if request.client else "?"
+    token = request.headers.get(CLIENT_HEADER, "")
+    if len(token) > MAX_CLIENT_TOKEN or not token.isprintable():
+        raise ApiError(422, "invalid_header", f"header X-Envhub-Client must be at most {MAX_CLIENT_TOKEN} printable characters")
+    return f"{host}/{token}" if token else host
 
 
 def _int_field(data: dict[str, Any], key: str) -> int:
@@ -124,7 +135,7 @@ def _table(request: Request) -> InstanceTable:
 
 async def create(request: Request) -> Response:
     await _body(request, required=False)
-    env_id = await _table(request).create()
+    env_id = await _table(request).create(client_key(request))
     return _json({"id": env_id, "env_idx": env_id})
 
 
@@ -175,11 +186,14 @@ async def close(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     table = _table(request)
+    problem = table.health()
+    if problem:
+        return _json({"status": "unhealthy", "reason": problem, "env": table.family.name, "instances": len(table.instances)}, 503)
     return _json({"status": "ok", "env": table.family.name, "instances": len(table.instances)})
 
 
 async def metrics(request: Request) -> Response:
-    return _json(_table(request).metrics())
+    return _json({**_table(request).metrics(), "http": dict(STATS)})
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -189,7 +203,19 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     resp = error_response(exc.status, exc.code, exc.message)
     if exc.retry_after_s is not None:
         resp.headers["Retry-After"] = str(exc.retry_after_s)
+    if exc.close_connection:
+        resp.headers["Connection"] = "close"
     return resp
+
+
+_gone_log = RateLimitedLog(log, per_s=1.0, burst=5)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client disconnected mid-request: not a server error.  One short line, rate-limited."""
+    request.app.state.table.counters["client_disconnects"] += 1
+    _gone_log.info("client %s disconnected during %s %s", request.client.host if request.client else "?", request.method, request.url.path)
+    return Response(status_code=400)  # never delivered
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -225,12 +251,36 @@ class _Timing:
             self.table.latency["http " + (path if path in _PATHS else "other")].add(time.perf_counter() - t0)
 
 
+async def _close_family(family: EnvFamily, timeout_s: float) -> None:
+    """``family.close()`` in a daemon thread, waited for at most ``timeout_s``."""
+    import threading
+
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        try:
+            family.close()
+        except Exception:
+            log.exception("closing the env family failed")
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop already closed: nobody waits
+                loop.call_soon_threadsafe(done.set)
+
+    threading.Thread(target=run, name="family-close", daemon=True).start()
+    try:
+        await asyncio.wait_for(done.wait(), timeout_s)
+    except TimeoutError:
+        log.warning("shutdown: closing the env family took over %.3g s; leaving it", timeout_s)
+
+
 def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
     """The ASGI app serving ``family`` with the limits of ``cfg`` (``conf.schema.EnvConfig``).
 
     Startup starts the idle sweeper; shutdown closes every instance, then the family.
     """
-    table = InstanceTable(family, max_instances=cfg.max_instances, idle_timeout_s=cfg.idle_timeout_s, max_env_steps=cfg.max_env_steps, threads=threads)
+    table = InstanceTable(family, max_instances=cfg.max_instances, idle_timeout_s=cfg.idle_timeout_s, max_env_steps=cfg.max_env_steps, threads=threads,
+                          limits=cfg.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -242,7 +292,7 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             await table.close_all()
-            family.close()
+            await _close_family(family, table.limits.shutdown_timeout_s)
 
     routes = [
         Route("/create", create, methods=["POST"]),
@@ -256,7 +306,7 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
         Route("/", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    handlers = {ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.table = table
     app.add_middleware(_Timing, table=table)

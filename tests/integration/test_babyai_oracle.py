@@ -52,3 +52,15 @@ def test_oracle_follows_a_live_instance_across_episodes():
             if out.done:
                 break
         assert out.done and out.info["success"]
+
+
+def test_oracle_gives_up_on_a_looping_bot_instead_of_hanging():
+    """Task 1948 (UnlockToUnlock seed 48): minigrid's bot pushes subgoals forever; the bounded
+    stack makes the oracle hand over to its script, the same way on every run."""
+    first = play_oracle(1948, max_turns=6)
+    assert [a for _, a in first.steps] == [a for _, a in play_oracle(1948, max_turns=6).steps]
+    env = BabyAIEnv()
+    env.reset(1948)
+    oracle = BabyAIOracle(env)
+    assert oracle.next_action() in env.actions
+    assert "BotGaveUp" in oracle.failed

@@ -163,3 +163,48 @@ def test_concurrent_searches_match_sequential_ones(family):
     with ThreadPoolExecutor(8) as ex:
         par = list(ex.map(lambda q: [d.id for d in family.retriever.search([q], 3)[0]], qs))
     assert par == seq
+
+
+_OLD_ACTION = __import__("re").compile(r"<(search|answer)>(.*?)</\1>", __import__("re").DOTALL)
+_OLD_ANSWER = __import__("re").compile(r"<answer>(.*?)</answer>", __import__("re").DOTALL)
+_PIECES = st.sampled_from(["<search>", "</search>", "<answer>", "</answer>", "<search", "answer>", "q", " ", "\n", "<", "/"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_PIECES, max_size=14).map("".join))
+def test_linear_tag_parsing_agrees_with_the_reference_regex(text):
+    from envhub.searchqa import first_action, last_answer
+
+    m = _OLD_ACTION.search(text)
+    assert first_action(text) == (None if m is None else (m.group(1), m.group(2)))
+    found = _OLD_ANSWER.findall(text)
+    assert last_answer(text) == (found[-1] if found else None)
+
+
+def test_tag_parsing_reads_each_character_a_bounded_number_of_times():
+    """Counted, not timed: every ``str.find``/``rfind``/regex step of the parser is linear, so
+    the work on an unclosed-tag bomb grows with its length (the regex rescanned to the end
+    from every opening tag)."""
+    import re
+
+    from envhub import searchqa
+
+    scanned = []
+
+    class Counting(str):
+        def find(self, sub, start=0, *args):
+            at = str.find(self, sub, start, *args)
+            scanned.append((len(self) if at < 0 else at + len(sub)) - start)
+            return at
+
+        def rfind(self, sub, *args):
+            scanned.append(len(self))
+            return str.rfind(self, sub, *args)
+
+    for n in (1000, 8000):
+        scanned.clear()
+        bomb = Counting("<answer>x</answer>" + "<answer>" * n)
+        searchqa.first_action(bomb)
+        searchqa.last_answer(bomb)
+        assert sum(scanned) <= 6 * len(bomb), (n, sum(scanned))
+    assert isinstance(searchqa._OPEN, re.Pattern) and "?" not in searchqa._OPEN.pattern  # the only regex: no lazy/backtracking part

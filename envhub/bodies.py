@@ -1,0 +1,107 @@
+"""Request bodies in, JSON responses out, within the server's limits (``env.limits``).
+
+Reading (``read_json_object``), in this order, each failure an ``ApiError`` that says what
+was wrong:
+1. a ``Content-Length`` above ``max_body_bytes`` is refused before one body byte is read
+   (413);
+2. the body is counted while it streams: the first chunk past the limit stops the read (413);
+   the rest of a refused body is discarded, not stored, for at most ``LINGER_S``
+   (``envhub.httpserver``), so a client that writes its whole body before reading still
+   gets the 413 instead of a connection reset;
+3. the whole body must arrive within ``body_timeout_s`` of the headers (408, connection
+   closed);
+4. it must be UTF-8 JSON (422 ``invalid_json``), an object, no deeper than ``max_json_depth``
+   (422 ``too_deep``; a depth that blows the decoder's recursion is the same answer) and
+   every string in it must be encodable as UTF-8 (422 ``invalid_text``: a lone surrogate
+   such as ``"\\ud800"`` is refused at the door, before any env sees it).
+
+Writing (``encode_json``): UTF-8 JSON; should a string that cannot be UTF-8 encoded ever
+reach a response, it is sent ``\\u``-escaped instead of failing, so any string the server
+holds can be returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from conf.schema import ServerLimits
+from envhub.instances import ApiError
+
+
+async def read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The raw body, enforcing the size limit while reading and the body deadline."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body_too_large", f"request body is {int(declared)} bytes (Content-Length); the limit is {limit} (env.limits.max_body_bytes)")
+    buf = bytearray()
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) > limit:
+                    raise ApiError(413, "body_too_large", f"request body exceeds the limit of {limit} bytes (env.limits.max_body_bytes)")
+    except TimeoutError:
+        raise ApiError(408, "body_timeout", f"the request body did not arrive within {limits.body_timeout_s:g} s (env.limits.body_timeout_s); "
+                       f"got {len(buf)} bytes", close_connection=True) from None
+    return bytes(buf)
+
+
+def parse_json_object(raw: bytes, limits: ServerLimits, *, required: bool = True) -> dict[str, Any]:
+    """``raw`` as a JSON object within the depth and text rules above; ``{}`` for an empty
+    body when not ``required``."""
+    if not raw.strip():
+        if required:
+            raise ApiError(422, "invalid_body", "request body is empty; send a JSON object")
+        return {}
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ApiError(422, "too_deep", f"request body nests arrays/objects deeper than {limits.max_json_depth} levels (env.limits.max_json_depth)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(422, "invalid_json", f"request body is not valid JSON ({exc.__class__.__name__}: {str(exc)[:120]})") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, "invalid_body", f"request body must be a JSON object, got {type(data).__name__}")
+    check_values(data, limits.max_json_depth)
+    return data
+
+
+def check_values(data: Any, max_depth: int) -> None:
+    """Iterative walk: nesting depth at most ``max_depth``; every string (keys too) UTF-8 encodable."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise ApiError(422, "too_deep", f"request body nests arrays/objects deeper than {max_depth} levels (env.limits.max_json_depth)")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _check_text(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, str):
+            _check_text(value)
+
+
+def _check_text(s: str) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = s[exc.start]
+        raise ApiError(422, "invalid_text", f"a string in the request body holds the lone surrogate U+{ord(bad):04X} at character {exc.start}, "
+                       "which is not Unicode text; send valid UTF-8 (pair surrogates, or drop them)") from None
+
+
+def encode_json(data: Any) -> bytes:
+    """Compact UTF-8 JSON; strings that cannot be UTF-8 encoded are ``\\u``-escaped."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(data, ensure_ascii=True, separators=(",", ":"), default=str).encode()

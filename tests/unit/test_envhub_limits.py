@@ -1,0 +1,151 @@
+"""The server's limits in process, with fakes: call deadlines and abandoned calls
+(``envhub.workers`` via ``InstanceTable``), body parsing rules (``envhub.bodies``), quotas.
+The same against real server processes: ``tests/integration/test_envhub_hostile.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from conf.schema import ServerLimits
+from envhub.base import ResetResult, StepResult
+from envhub.bodies import encode_json, parse_json_object
+from envhub.instances import ApiError, InstanceTable
+
+
+class HangingEnv:
+    """``step("hang")`` blocks until ``release`` is set (a simulator that stopped answering)."""
+
+    def __init__(self, release: threading.Event, closed: list) -> None:
+        self.release, self.closed = release, closed
+
+    def reset(self, data_idx):
+        return ResetResult(f"task {data_idx}")
+
+    def step(self, action):
+        if action == "hang":
+            self.release.wait(30)
+        return StepResult("ok", 0.0, False)
+
+    def observation(self):
+        return "obs"
+
+    def close(self):
+        self.closed.append(self)
+
+
+class HangingFamily:
+    name = "hanging"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.closed: list = []
+
+    def create(self):
+        return HangingEnv(self.release, self.closed)
+
+    def num_tasks(self):
+        return 1
+
+    def close(self):
+        pass
+
+
+def _table(family, **limits) -> InstanceTable:
+    return InstanceTable(family, max_instances=8, idle_timeout_s=60, threads=2, limits=ServerLimits(**limits))
+
+
+async def _wait_for(cond, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+def test_a_call_past_its_deadline_answers_504_and_frees_the_instance_at_once():
+    async def main():
+        family = HangingFamily()
+        table = _table(family, call_timeout_s=0.2, max_overrun_calls=1)
+        a, b = await table.create(), await table.create()
+        await table.reset(a, 0)
+        await table.reset(b, 0)
+        with pytest.raises(ApiError) as err:
+            await table.step(a, "hang")
+        assert err.value.status == 504 and err.value.code == "deadline_exceeded"
+        with pytest.raises(ApiError) as err:  # no lock left held: answered at once
+            await table.observation(a)
+        assert err.value.status == 410
+        await table.close(a)  # idempotent
+        assert family.closed == []  # the env is still inside its call: not closed under it
+        assert "overran" in table.health()  # 1 abandoned call = max_overrun_calls
+        with pytest.raises(ApiError) as err:
+            await table.step(b, "x")
+        assert err.value.status == 503 and err.value.code == "workers_exhausted" and err.value.retry_after_s
+        family.release.set()
+        await _wait_for(lambda: len(family.closed) == 1)  # closed when the call returned
+        assert table.health() == "" and (await table.step(b, "x")).observation == "ok"
+        assert table.metrics()["timed_out"] == 1
+        await table.close_all()
+
+    asyncio.run(main())
+
+
+def test_shutdown_does_not_wait_for_an_abandoned_call():
+    async def main():
+        family = HangingFamily()
+        table = _table(family, call_timeout_s=0.2, shutdown_timeout_s=1)
+        a = await table.create()
+        await table.reset(a, 0)
+        with pytest.raises(ApiError):
+            await table.step(a, "hang")
+        async with asyncio.timeout(5):
+            await table.close_all()
+        family.release.set()
+
+    asyncio.run(main())
+
+
+def test_quota_is_per_client_and_freed_by_close():
+    async def main():
+        table = InstanceTable(HangingFamily(), max_instances=8, idle_timeout_s=60, limits=ServerLimits(max_instances_per_client=2))
+        mine = [await table.create("10.0.0.1"), await table.create("10.0.0.1")]
+        with pytest.raises(ApiError) as err:
+            await table.create("10.0.0.1")
+        assert (err.value.status, err.value.code) == (429, "client_quota") and err.value.retry_after_s
+        await table.create("10.0.0.1/actor-2")  # a token makes another client behind the same address
+        await table.close(mine[0])
+        await table.create("10.0.0.1")
+        assert table.errors == {}  # counted once, by the error handler, not here
+        await table.close_all()
+
+    asyncio.run(main())
+
+
+LIMITS = ServerLimits(max_json_depth=4)
+
+
+@pytest.mark.parametrize("raw, code", [
+    (b"[" * 100_000 + b"]" * 100_000, "too_deep"),
+    (b'{"a": [[[[1]]]]}', "too_deep"),
+    (b'{"a": "\\ud800"}', "invalid_text"),
+    (b'{"\\udfff": 1}', "invalid_text"),
+    (b'{"a": 1', "invalid_json"),
+    (b"\xff\xfe", "invalid_json"),
+    (b"[1]", "invalid_body"),
+])
+def test_malformed_bodies_get_a_typed_422(raw, code):
+    with pytest.raises(ApiError) as err:
+        parse_json_object(raw, LIMITS)
+    assert err.value.status == 422 and err.value.code == code, err.value.message
+
+
+def test_valid_bodies_pass_and_paired_surrogates_are_text():
+    assert parse_json_object(b'{"a": [[1]], "b": "\\ud83d\\ude00 \xc3\xa9"}', LIMITS) == {"a": [[1]], "b": "\U0001F600 \u00e9"}
+    assert parse_json_object(b"  ", LIMITS, required=False) == {}
+
+
+def test_any_string_the_server_holds_can_be_encoded():
+    assert json.loads(encode_json({"o": "caf\u00e9"})) == {"o": "caf\u00e9"}
+    assert json.loads(encode_json({"o": "bad \ud800"})) == {"o": "bad \ud800"}
