@@ -23,7 +23,7 @@ def call(url: str, method: str, path: str, body: object = None, raw: bytes | Non
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
+    conn.request(method, path if path == "/" else "/v1" + path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
     r = conn.getresponse()
     text = r.read().decode("utf-8", "replace")
     conn.close()
