@@ -46,7 +46,9 @@ class ResetResult:
     info: dict[str, Any] = field(default_factory=dict)
     """Task metadata (``category``: level / depth / task type / dataset)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """AgentGym reset fields merged into the response (``task_name``, ``score``, ...)."""
+    """AgentGym reset fields merged into the response (``task_name``, ``score``, ...).  An
+    ``observation`` key here is what AgentGym's routes answer instead of ``observation`` (where
+    AgentGym's own text differs, e.g. SciWorld without the task description)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class AgentGymShape:
 
     create: str = "id"
     """``id``: ``{"id", "env_idx"}``; ``reset``: reset to ``data_idx = id`` (or the custom task of
-    the body, via ``env.agentgym_custom_task(body)``) and answer ``{"id", "observation", "done",
+    the body, via ``env.agentgym_custom_task(commands, goal)``) and answer ``{"id", "observation", "done",
     "reward"}`` (TextCraft); ``bare_id``: load task ``body.id`` (default 0), answer the bare int
     (SearchQA)."""
     reset: str = "dict"

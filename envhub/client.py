@@ -19,6 +19,8 @@ Flavors (what the server speaks):
   read from ``score`` when present (AgentGym's clients do the same); ``success`` is
   ``info.success`` if present, else ``done and reward > 0`` (for a 0-100 ``score`` above 1:
   ``score >= 100``).  TextCraft's create already resets; ``reset`` resets again (harmless).
+  A reset reply with ``task_description`` (SciWorld) becomes ``description + "\n" +
+  observation``, the first observation AgentGym's ``SciworldEnvClient`` shows.
 - ``agentgym_searchqa``: ``env_idx``-keyed; create answers a bare int, reset a bare string,
   and reset sends the task index as ``id``.
 - ``agentgym_webarena``: ``env_idx``-keyed; reset sends ``idx``; step answers ``terminated``.
@@ -169,7 +171,10 @@ class EnvClient:
             return ResetReply(raw, {}, {"observation": raw})
         if not isinstance(raw, dict) or not isinstance(raw.get("observation"), str):
             raise EnvHTTPError(200, "bad_reply", f"/reset answered without an observation: {str(raw)[:200]!r}")
-        return ResetReply(raw["observation"], dict(raw.get("info") or {}), raw)
+        obs = raw["observation"]
+        if self.flavor == "agentgym" and isinstance(raw.get("task_description"), str):
+            obs = f"{raw['task_description']}\n{obs}"  # AgentGym's SciWorld client does the same
+        return ResetReply(obs, dict(raw.get("info") or {}) if isinstance(raw.get("info"), dict) else {}, raw)
 
     async def step(self, env_id: int, action: str) -> StepReply:
         key = "env_idx" if self.flavor in ("agentgym_searchqa", "agentgym_webarena") else "id"

@@ -27,8 +27,9 @@ Routes (both faces unless noted):
 - ``POST /reset {"id" | "env_idx", "data_idx" | "idx"}`` -> ``{"id", "observation", "done":
   false, "reward": 0, "truncated": false, "info", ...extra}``.  AgentGym's SearchQA client
   sends ``{"env_idx", "id"}`` where ``id`` is the task index: when ``env_idx`` is present it
-  names the instance and ``data_idx``/``idx``/``id`` the task.  AgentGym face of SearchQA:
-  the prompt string.
+  names the instance and ``data_idx``/``idx``/``id`` the task.  AgentGym face: SearchQA
+  answers the prompt string; ``observation`` is ``extra["observation"]`` where the env sets one
+  (SciWorld: the room alone, since AgentGym's client prepends ``task_description`` itself).
 - ``POST /step {"id" | "env_idx", "action"}`` -> ``{"observation", "reward", "done",
   "truncated", "info", ...extra}`` (``extra`` holds AgentGym fields such as ``score``)
 - ``GET /observation?id=`` -> the observation as a JSON string (AgentGym's shape); AgentGym
@@ -191,10 +192,13 @@ async def reset(request: Request) -> Response:
     data = await _body(request)
     env_id, data_idx = instance_id(data), task_index(data)
     out = await _table(request).reset(env_id, data_idx)
-    if not _is_v1(request) and _shape(request).reset == "text":
-        return _json(out.observation)
-    payload = {**out.extra, "id": env_id, "observation": out.observation, "done": False, "reward": 0.0, "truncated": False, "info": out.info}
-    return _json(payload)
+    extra = dict(out.extra)
+    agentgym_obs = extra.pop("observation", out.observation)  # AgentGym's own reset text, if it differs
+    if _is_v1(request):
+        return _json({**extra, "id": env_id, "observation": out.observation, "done": False, "reward": 0.0, "truncated": False, "info": out.info})
+    if _shape(request).reset == "text":
+        return _json(agentgym_obs)
+    return _json({**extra, "id": env_id, "observation": agentgym_obs, "done": False, "reward": 0.0, "truncated": False, "info": out.info})
 
 
 async def step(request: Request) -> Response:
