@@ -303,7 +303,7 @@ class SciWorldEnv:
         return self._jvm
 
     def agentgym_goals(self) -> dict[str, str]:
-        return {"goals": str(self._call(self._jvm_or_raise().getGoalProgressStr))}
+        return {"goals": str(self._call(self._jvm_or_raise().get_goal_progress))}
 
     def agentgym_detail(self) -> dict[str, Any]:
         game = self.game
@@ -325,7 +325,7 @@ class SciWorldEnv:
             "observation": str(self._call(jvm.look)),
             "inventory": str(self._call(jvm.inventory)),
             "task_description": self._task_description,
-            "goal_progress": str(self._call(jvm.getGoalProgressStr)),
+            "goal_progress": str(self._call(jvm.get_goal_progress)),
             "possible_actions": hint["possible_actions"][:10],
             "possible_objects": hint["possible_objects"][:10],
             "current_moves": int(self._call(jvm.server.getNumMoves)),

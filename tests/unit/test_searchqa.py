@@ -163,3 +163,21 @@ def test_concurrent_searches_match_sequential_ones(family):
     with ThreadPoolExecutor(8) as ex:
         par = list(ex.map(lambda q: [d.id for d in family.retriever.search([q], 3)[0]], qs))
     assert par == seq
+
+
+def test_wrong_answer_retry_keeps_the_episode_open_as_agentgym(family, questions):
+    retry = SearchQAFamily(family.retriever, family.items, wrong_answer="retry").create()
+    retry.reset(5)
+    s = retry.step("<answer>Atlantis</answer>")
+    assert (s.reward, s.done, s.observation) == (0.0, False, "Sorry, your answer is incorrect. Please try again.")
+    s = retry.step(f"<answer>{questions[5]['golden_answers'][0]}</answer>")
+    assert (s.reward, s.done, s.info["success"]) == (1.0, True, True)
+    with pytest.raises(ValueError, match="wrong_answer"):
+        SearchQAFamily(family.retriever, family.items, wrong_answer="maybe")
+
+
+def test_first_observation_is_agentgyms_prompt_with_the_question_stripped(family):
+    env = family.create()
+    item = family.items[3]
+    obs = env.reset(3).observation
+    assert obs.startswith("You must reason inside <think>...</think> first.") and obs.endswith(f"\n\n Question: {item.question.strip()}")
