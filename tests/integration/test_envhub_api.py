@@ -98,12 +98,12 @@ def test_metrics_count_instances_steps_errors_latency(server):
 def test_64_concurrent_episodes_do_not_cross_talk(server):
     import trio
 
-    from envhub.babyai import BabyAIEnv
+    from envhub.babyai import BabyAIFamily
     from envhub.client import EnvClient
 
     script = ["turn left", "move forward", "turn right", "move forward", "check available actions", "move forward"]
     expected = {}
-    local = BabyAIEnv()
+    local = BabyAIFamily().create()  # the server's default text (AgentGym's)
     for k in range(64):
         obs = [local.reset(k).observation]
         for a in script:
