@@ -345,11 +345,10 @@ OPTIONS: dict[str, Any] = {
 
 
 class SciWorldFamily:
-    agentgym = AgentGymShape(extra_routes=("goals", "detail", "task_description", "object_tree", "state"))
-
     """The JVM pool and the task list, shared by every instance of the server."""
 
     name = "sciworld"
+    agentgym = AgentGymShape(extra_routes=("goals", "detail", "task_description", "object_tree", "state"))
 
     def __init__(self, jvm_pool: int = 2, jvm_wait_s: float = 120.0, step_limit: int = 100,
                  java_opts: str = JAVA_OPTS, simplifications: str = "", max_waiting: int = 16) -> None:
