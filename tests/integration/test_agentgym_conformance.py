@@ -249,3 +249,36 @@ def test_sciworld_extra_routes_answer(sciworld_ours):
     assert isinstance(c._get("goals")["goals"], str)
     assert isinstance(c._get("detail"), dict) and isinstance(c._get("action_hint")["possible_actions"], list)
     c.close()
+
+
+# -- the other direction: our client's AgentGym flavors (what actors use with env.options.flavor) ---
+def test_our_client_agentgym_flavors_play_on_agentgym_shaped_servers(babyai, searchqa_ours):
+    """``EnvClient(flavor="agentgym")`` on an AgentGym-shaped BabyAI server (ours at the root,
+    or AgentGym's own with ``AGENTGYM_BABYAI_URL``) records the success; ``agentgym_searchqa``
+    on SearchQA's bare-int / bare-string shapes."""
+    import trio
+
+    from envhub import searchqa_data
+    from envhub.client import EnvClient, EnvHTTPError
+
+    with open(os.path.join(searchqa_data.DATA_DIR, searchqa_data.QUESTIONS_FILE)) as f:
+        item = json.loads(f.readline())
+
+    async def main():
+        async with EnvClient(babyai, flavor="agentgym") as c:
+            i = await c.create()
+            r = await c.reset(i, 1)
+            assert r.observation.startswith("Your goal: go to the red ball")
+            out = await c.step(i, "go to red ball 1")
+            assert out.done and out.info["success"] and out.reward > 0
+            with pytest.raises(EnvHTTPError):  # the 200 + {"error"} reply is an error to our client
+                await c.step(i, "turn left")
+            await c.close(i)
+        async with EnvClient(searchqa_ours, flavor="agentgym_searchqa") as c:
+            i = await c.create()
+            assert (await c.reset(i, 0)).observation.endswith(item["question"].strip())
+            out = await c.step(i, f"<answer>{item['golden_answers'][0]}</answer>")
+            assert out.done and out.info["success"] and out.reward == 1.0
+            await c.close(i)
+
+    trio.run(main)
