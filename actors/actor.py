@@ -111,7 +111,8 @@ class ActorDeps:
 
     make_runtime: Callable[[Welcome], Awaitable["Runtime"]]
     pull: PullFn
-    make_env_client: Callable[[str], EnvClientLike]
+    make_env_client: Callable[[str, str], EnvClientLike]
+    """``(url, flavor) -> client``; the flavor is the learner's ``EnvEndpoint.flavor``."""
     new_buffer: Callable[[], Any] = lambda: None
     """A receive buffer for ``pull`` (the actor makes two); None lets ``pull`` allocate."""
 
@@ -316,7 +317,7 @@ class Actor:
         for ep in welcome.envs:
             if ep.name not in self.pools:
                 url = self.cfg.env_url or ep.url
-                self.pools[ep.name] = EnvPool(self.deps.make_env_client(url))
+                self.pools[ep.name] = EnvPool(self.deps.make_env_client(url, ep.flavor))
         self.target = welcome.policy
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:

@@ -4,7 +4,9 @@
 engine (``make_engine``) is built from the learner's model folder, the renderer from its
 tokenizer, and the group player from ``actors.episode.run_group`` with the env's action
 parser and instruction prompt; weights come through ``actors.weight_sync.pull_weights``;
-env sessions through ``envhub.client.EnvClient``.
+env sessions through ``envhub.client.EnvClient`` speaking the flavor the learner announces
+(``EnvEndpoint.flavor`` from its ``env.options.flavor``), so actors can play on AgentGym's own
+servers.
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ def build_actor(cfg: Config) -> Any:
 
         return ReceiveBuffer()
 
-    def make_env_client(url: str) -> Any:
+    def make_env_client(url: str, flavor: str) -> Any:
         from envhub.client import EnvClient
 
-        return EnvClient(url)
+        return EnvClient(url, flavor=flavor)
 
     actor_kw = {"actor_id": cfg.actor.actor_id} if cfg.actor.actor_id else {}
     actor = Actor(cfg=cfg.actor, deps=ActorDeps(make_runtime=make_runtime, pull=pull, make_env_client=make_env_client,

@@ -12,6 +12,10 @@
   the baseline our client is compared with (reported only).
 - ``envhub_sciworld_steps``: only when ``envhub.sciworld`` exists: steps/s ("look around")
   through the client with a pool of JVMs, beside one in-process instance.
+
+``--envhub-url URL --envhub-flavor F`` measures a server that is already running instead (e.g.
+AgentGym's own BabyAI server with ``--envhub-flavor agentgym``): only ``envhub_babyai_steps``
+(its server CPU is not ours to read), beside the same in-process baseline.
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ ACTIONS = ("turn left", "move forward", "turn right", "move forward", "check ava
 def add_arguments(parser) -> None:
     parser.add_argument("--envhub-seconds", type=float, default=4.0, help="seconds per envhub figure")
     parser.add_argument("--envhub-episodes", type=int, default=64, help="concurrent episodes")
+    parser.add_argument("--envhub-url", default="", help="measure this running BabyAI server instead of starting ours")
+    parser.add_argument("--envhub-flavor", default="turnscale", help="what --envhub-url speaks: turnscale | agentgym")
 
 
 def _inprocess_babyai(seconds: float, tasks: int) -> tuple[float, float]:
     """(steps per wall second, steps per CPU second) of ``tasks`` instances stepped in one loop."""
-    from envhub.babyai import BabyAIEnv
+    from envhub.babyai import BabyAIFamily
 
-    envs = [BabyAIEnv() for _ in range(tasks)]
+    family = BabyAIFamily()  # the server's default text
+    envs = [family.create() for _ in range(tasks)]
     for k, env in enumerate(envs):
         env.reset(k)
     n, t0, c0 = 0, time.perf_counter(), time.process_time()
@@ -60,19 +67,22 @@ def _metrics(url: str) -> dict:
         return json.loads(r.read())
 
 
-def _http_babyai(url: str, seconds: float, episodes: int) -> tuple[float, float]:
-    """(steps per wall second, steps per CPU second of server + client) over HTTP."""
+def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnscale") -> tuple[float, float | None]:
+    """(steps per wall second, steps per CPU second of server + client) over HTTP; the CPU
+    figure is None for servers other than ours (flavor != turnscale: no ``/metrics``)."""
     import trio
 
     from envhub.client import EnvClient
 
+    ours = flavor == "turnscale"
+
     async def main() -> float:
-        async with EnvClient(url, max_connections=episodes) as client:
+        async with EnvClient(url, max_connections=episodes, flavor=flavor) as client:
             ids = [await client.create() for _ in range(episodes)]
             for k, i in enumerate(ids):
                 await client.reset(i, k)
             count = 0
-            m0, c0 = _metrics(url), time.process_time()
+            m0, c0 = (_metrics(url) if ours else {}), time.process_time()
             t0 = time.perf_counter()
 
             async def episode(k: int) -> None:
@@ -90,9 +100,11 @@ def _http_babyai(url: str, seconds: float, episodes: int) -> tuple[float, float]
                     nursery.start_soon(episode, k)
             rate = count / (time.perf_counter() - t0)
             client_cpu = time.process_time() - c0
-            m1 = _metrics(url)
-            steps = m1["steps"] - m0["steps"]
-            per_cpu = steps / max(1e-9, client_cpu + m1["cpu_s"] - m0["cpu_s"])
+            per_cpu = None
+            if ours:
+                m1 = _metrics(url)
+                steps = m1["steps"] - m0["steps"]
+                per_cpu = steps / max(1e-9, client_cpu + m1["cpu_s"] - m0["cpu_s"])
             for i in ids:
                 await client.close(i)
             return rate, per_cpu
@@ -246,6 +258,10 @@ def run(args: argparse.Namespace) -> list[Result]:
     episodes = getattr(args, "envhub_episodes", 64)
     base_steps, base_cpu = _inprocess_babyai(seconds, episodes)
     results = []
+    if getattr(args, "envhub_url", ""):
+        steps, _ = _http_babyai(args.envhub_url, seconds, episodes, getattr(args, "envhub_flavor", "turnscale"))
+        results.append(result("envhub_babyai_steps", steps, "steps/s", f"BabyAI in process, one loop ({episodes} instances)", base_steps, target=0.5))
+        return results
     with envhub_server("babyai", max_instances=max(512, episodes)) as url:
         steps, per_cpu = _http_babyai(url, seconds, episodes)
         results.append(result("envhub_babyai_steps", steps, "steps/s", f"BabyAI in process, one loop ({episodes} instances)", base_steps, target=0.5))

@@ -101,6 +101,12 @@ class EnvConfig:
     def base_url(self) -> str:
         return self.url or f"http://{self.host}:{self.port}"
 
+    @property
+    def client_flavor(self) -> str:
+        """What the env server speaks, for env clients: ``env.options.flavor`` (default
+        ``turnscale``; ``agentgym`` etc. for AgentGym's own servers, see ``envhub.client``)."""
+        return str(self.options.get("flavor") or "turnscale")
+
 
 ENV_NAMES = frozenset({"babyai", "textcraft", "sciworld", "searchqa", "webarena"})
 

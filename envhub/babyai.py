@@ -26,10 +26,29 @@ mission (step_count counts primitives), else 0; ``info.success`` marks completio
 (AgentGym's field) is the episode's return so far.  ``done`` when the mission completes or
 fails; ``truncated`` (with ``done``) when minigrid's primitive-step cap ends it.
 
-Differences from AgentGym, on purpose: the mission text is kept as minigrid writes it
-(AgentGym rewrites "then"/"after you" to "and", which loses the order the level checks);
-object numbers in actions always match the numbers in the description (AgentGym numbers
-only reachable objects in actions); paths avoid cells the agent cannot see.
+Text (``env.options.text``):
+
+* ``agentgym`` (default): AgentGym's text byte for byte (``envhub.babyai_agentgym``): the
+  mission with "then"/"after you" rewritten to "and", object sentences separated by two
+  spaces, walls counted as seen objects, "You are facing a wall|box" by type only, AgentGym's
+  action map (objects numbered over reachable ones in actions, its path search) and its error
+  texts.  No expert (``GET /expert`` answers 501): the oracle speaks the clean action map.
+* ``clean``: our rendering, different on purpose: the mission is kept as minigrid writes it
+  (AgentGym's rewrite loses the order the level checks); object numbers in actions always
+  match the numbers in the description; paths avoid cells the agent cannot see; the wall or
+  object straight ahead is named.  ``turnscale run``'s BabyAI default uses it (its warm start
+  is oracle play).
+
+Levels: AgentGym's ``BabyAI-GoToObjS6-v0`` is minigrid < 2.4's registration of ``GoToObj`` with
+``room_size=4`` (minigrid 2.4 renamed the fixed, 6-wide level to ``-v1`` and dropped ``-v0``);
+we build that same configuration (``BabyAI-GoToObjS4-v0``'s), so those ids are AgentGym's tasks.
+
+Rewards and ends are ours in both texts (AgentGym's server reports the last primitive's reward,
+keeps an episode whose late success earned <= 0.5 open, and sums ``score`` across steps).
+
+AgentGym's routes (``envhub.server``, root face): ``GET /observation`` answers AgentGym's dict
+``{"observation": "Your goal: ...", "reward", "score", "done", "deleted"}``; ``POST /render``
+a PNG data URL of the full grid.
 """
 
 from __future__ import annotations
@@ -41,7 +60,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from envhub.base import ResetResult, StepResult
+from envhub.base import AgentGymShape, ResetResult, StepResult
+from envhub.options import read_options
 
 LEVELS: tuple[str, ...] = (
     "BabyAI-GoToRedBallGrey-v0",
@@ -87,8 +107,11 @@ LEVELS: tuple[str, ...] = (
 )
 """AgentGym's 40 levels in its order (``all_levels[1..40]`` of agentenv-babyai)."""
 
-REGISTERED = {"BabyAI-GoToObjS6-v0": "BabyAI-GoToObjS6-v1"}
-"""Levels whose v0 minigrid 3.x retired: the gymnasium id we make (the name stays the category)."""
+REGISTERED = {"BabyAI-GoToObjS6-v0": "BabyAI-GoToObjS4-v0"}
+"""Levels minigrid 3.x no longer registers -> the registered id with the same class and
+arguments (minigrid < 2.4 registered ``GoToObjS6-v0`` as ``GoToObj(room_size=4)``); the name
+stays the category."""
+TEXTS = ("agentgym", "clean")
 
 SEEDS_PER_PASS = 100
 LEVEL_CACHE = 4
@@ -382,7 +405,13 @@ def format_actions(actions: dict[str, list[int]]) -> str:
 class BabyAIEnv:
     """One BabyAI instance (see the module docstring).  Not thread-safe; the server locks it."""
 
-    def __init__(self, max_env_steps: int = 0) -> None:
+    def __init__(self, max_env_steps: int = 0, text: str = "clean") -> None:
+        if text not in TEXTS:
+            raise ValueError(f"config key 'env.options.text': {text!r} is not one of {TEXTS}")
+        self.text = text
+        self._image: Any = None
+        self._state_text = ""
+        """AgentGym's ``states[-1]``: the last description or message, without the action list."""
         self._envs: dict[str, Any] = {}
         self.env: Any = None
         self.level = ""
@@ -424,6 +453,16 @@ class BabyAIEnv:
             obs, _ = self.env.reset(seed=self.seed)
         self.mission = self.unwrapped.mission
         self.ret, self.done = 0.0, False
+        if self.text == "agentgym":
+            from envhub.babyai_agentgym import agentgym_mission, format_actions as ag_actions, scene
+
+            self.mission = agentgym_mission(self.mission)
+            self._image = obs["image"]
+            sc = scene(self.unwrapped, self._image)
+            self.actions, self.why, self._state_text = sc.actions, sc.errors, sc.description
+            self.obs_text = f"Your goal: {self.mission}\n{sc.description}{ag_actions(self.actions)}"
+            info = {"category": self.level, "level": self.level, "seed": self.seed, "mission": self.mission, "max_steps": self.unwrapped.max_steps}
+            return ResetResult(self.obs_text, info, {"score": 0.0, "deleted": False})
         self._look(obs["image"])
         self.obs_text = f"Your goal: {self.mission}\n{describe(self.view)}\n{format_actions(self.actions)}"
         info = {"category": self.level, "level": self.level, "seed": self.seed, "mission": self.mission, "max_steps": self.unwrapped.max_steps}
@@ -436,6 +475,8 @@ class BabyAIEnv:
     def step(self, action: str) -> StepResult:
         if self.env is None:
             raise RuntimeError("step before reset")
+        if self.text == "agentgym":
+            return self._step_agentgym(action)
         act = normalise_action(action)
         reward, terminated, truncated, valid = 0.0, False, False, True
         if act == CHECK or act.startswith("check"):
@@ -464,8 +505,71 @@ class BabyAIEnv:
         info = {"success": success, "category": self.level, "action_valid": valid, "primitive_steps": int(self.unwrapped.step_count)}
         return StepResult(self.obs_text, reward, self.done, bool(truncated and not terminated), info, {"score": self.ret})
 
+    def _step_agentgym(self, action: str) -> StepResult:
+        """AgentGym's step texts: its action matching (lower-case, stripped), its messages."""
+        from envhub.babyai_agentgym import format_actions as ag_actions, scene
+
+        act = action.lower().strip()
+        reward, terminated, truncated, valid = 0.0, False, False, True
+        if "check" in act:
+            text = "You can take the following actions: " + ", ".join(self.actions)
+        elif act == "":
+            text, valid = "No change in state.", False
+        elif act not in self.actions:
+            text, valid = self.why.get(act, "The action is not recognized. Please check valid actions."), False
+        elif not self.actions[act]:
+            text = "No change in state."
+        else:
+            obs, ended, term = None, False, False
+            for prim in self.actions[act]:  # all of them, as AgentGym, even past the episode's end
+                obs, r, term, trunc, _ = self.env.step(prim)
+                if not ended:  # the reward and end are the first end's
+                    reward, terminated, truncated, ended = reward + float(r), term, trunc, term or trunc
+                if (obs["image"] == self._image).all():  # AgentGym stops when a primitive changes nothing
+                    break
+                self._image = obs["image"]
+            self._image = obs["image"]
+            sc = scene(self.unwrapped, self._image)
+            self.actions, self.why, text = sc.actions, sc.errors, sc.description
+            if term:  # AgentGym's text says so when the *last* primitive ended the episode
+                text += "\n The task is completed."
+        success = bool(terminated and reward > 0)
+        self._state_text = text
+        self.ret += reward
+        self.done = bool(terminated or truncated)
+        self.obs_text = text + ag_actions(self.actions)
+        info = {"success": success, "category": self.level, "action_valid": valid, "primitive_steps": int(self.unwrapped.step_count)}
+        return StepResult(self.obs_text, reward, self.done, bool(truncated and not terminated), info, {"score": self.ret})
+
     def observation(self) -> str:
         return self.obs_text
+
+    # -- AgentGym's routes (envhub.server, root face) ---------------------------------------------
+    def agentgym_observation(self) -> dict[str, Any]:
+        """AgentGym's ``GET /observation``: the goal line, the current state and the actions."""
+        if self.text == "agentgym":
+            from envhub.babyai_agentgym import format_actions as ag_actions
+
+            obs = f"Your goal: {self.mission}\n{self._state_text}{ag_actions(self.actions)}"
+        else:
+            obs = self.obs_text if self.obs_text.startswith("Your goal: ") else f"Your goal: {self.mission}\n{self.obs_text}"
+        return {"observation": obs, "reward": 0.0, "score": self.ret, "done": self.done, "deleted": False}
+
+    def agentgym_render(self) -> str | dict[str, str]:
+        """AgentGym's ``POST /render``: a PNG data URL of the full grid (``{"error"}`` without PIL)."""
+        if self.env is None:
+            raise RuntimeError("render before reset")
+        try:
+            import base64
+            import io as _io
+
+            from PIL import Image
+        except ImportError as exc:
+            return {"error": f"rendering needs Pillow ({exc})"}
+        frame = self.unwrapped.get_frame(highlight=True, tile_size=16)
+        buf = _io.BytesIO()
+        Image.fromarray(frame).save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
     def expert_action(self) -> str:
         """The oracle's next high-level action (``envhub.babyai_oracle``); it attaches on the
@@ -485,14 +589,28 @@ class BabyAIEnv:
         self.env = None
 
 
+class AgentGymTextBabyAIEnv(BabyAIEnv):
+    """BabyAI with AgentGym's text (``text: agentgym``).  No expert: the oracle plans in the
+    clean action map, so ``GET /expert`` answers 501 here."""
+
+    expert_action = None  # type: ignore[assignment]
+
+    def __init__(self, max_env_steps: int = 0) -> None:
+        super().__init__(max_env_steps, text="agentgym")
+
+
 class BabyAIFamily:
     name = "babyai"
+    agentgym = AgentGymShape(observation="dict", extra_routes=("render",))
 
-    def __init__(self, cfg: Any = None) -> None:
+    def __init__(self, cfg: Any = None, text: str = "agentgym") -> None:
+        if text not in TEXTS:
+            raise ValueError(f"config key 'env.options.text': {text!r} is not one of {TEXTS}")
         self.cfg = cfg
+        self.text = text
 
     def create(self) -> BabyAIEnv:
-        return BabyAIEnv()
+        return AgentGymTextBabyAIEnv() if self.text == "agentgym" else BabyAIEnv(text="clean")
 
     def num_tasks(self) -> int:
         return len(LEVELS) * SEEDS_PER_PASS
@@ -501,5 +619,10 @@ class BabyAIFamily:
         pass
 
 
+OPTIONS = {"text": "agentgym"}
+"""Every option this family reads, with its default (documented in the module docstring)."""
+
+
 def make_family(cfg: Any) -> BabyAIFamily:
-    return BabyAIFamily(cfg)
+    opts = read_options(cfg.options, OPTIONS, "babyai")
+    return BabyAIFamily(cfg, str(opts["text"]))

@@ -46,7 +46,31 @@ class ResetResult:
     info: dict[str, Any] = field(default_factory=dict)
     """Task metadata (``category``: level / depth / task type / dataset)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """AgentGym reset fields merged into the response (``task_name``, ``score``, ...)."""
+    """AgentGym reset fields merged into the response (``task_name``, ``score``, ...).  An
+    ``observation`` key here is what AgentGym's routes answer instead of ``observation`` (where
+    AgentGym's own text differs, e.g. SciWorld without the task description)."""
+
+
+@dataclass(frozen=True)
+class AgentGymShape:
+    """How a family answers on AgentGym's routes (the server's root face; ``/v1`` is uniform).
+
+    A family without an ``agentgym`` attribute uses the defaults (BabyAI's and SciWorld's shapes).
+    """
+
+    create: str = "id"
+    """``id``: ``{"id", "env_idx"}``; ``reset``: reset to ``data_idx = id`` (or the custom task of
+    the body, via ``env.agentgym_custom_task(commands, goal)``) and answer ``{"id", "observation", "done",
+    "reward"}`` (TextCraft); ``bare_id``: load task ``body.id`` (default 0), answer the bare int
+    (SearchQA)."""
+    reset: str = "dict"
+    """``dict``: the reset dict; ``text``: the observation string alone (SearchQA)."""
+    observation: str = "text"
+    """``text``: ``GET /observation`` answers the string; ``dict``: ``env.agentgym_observation()``
+    (BabyAI's ``{"observation", "reward", "score", "done", "deleted"}``)."""
+    extra_routes: tuple[str, ...] = ()
+    """AgentGym's extra routes this family serves (``commands``, ``goal``, ``detail``, ...): each
+    is ``env.agentgym_<name>()``, run under the instance lock."""
 
 
 class Env(Protocol):

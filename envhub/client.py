@@ -13,11 +13,14 @@ raises ``EnvTimeout`` and is not retried.  HTTP errors raise ``EnvHTTPError`` (4
 BabyAI's oracle), for warm starts.
 
 Flavors (what the server speaks):
-- ``turnscale``: our envhub servers.
+- ``turnscale``: our envhub servers' own face, under ``/v1`` (real status codes; the root
+  speaks AgentGym's shapes and error convention for AgentGym's clients, see ``envhub.server``).
 - ``agentgym``: AgentGym's BabyAI / TextCraft / SciWorld servers (``id``-keyed).  Reward is
   read from ``score`` when present (AgentGym's clients do the same); ``success`` is
   ``info.success`` if present, else ``done and reward > 0`` (for a 0-100 ``score`` above 1:
   ``score >= 100``).  TextCraft's create already resets; ``reset`` resets again (harmless).
+  A reset reply with ``task_description`` (SciWorld) becomes ``description + "\n" +
+  observation``, the first observation AgentGym's ``SciworldEnvClient`` shows.
 - ``agentgym_searchqa``: ``env_idx``-keyed; create answers a bare int, reset a bare string,
   and reset sends the task index as ``id``.
 - ``agentgym_webarena``: ``env_idx``-keyed; reset sends ``idx``; step answers ``terminated``.
@@ -134,7 +137,7 @@ class EnvClient:
         self.base_url = base_url.rstrip("/")
         self.host = url.hostname
         self.port = url.port or 80
-        self.prefix = url.path.rstrip("/")
+        self.prefix = url.path.rstrip("/") + ("/v1" if flavor == "turnscale" else "")
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.max_backoff_s = max_backoff_s
@@ -168,7 +171,10 @@ class EnvClient:
             return ResetReply(raw, {}, {"observation": raw})
         if not isinstance(raw, dict) or not isinstance(raw.get("observation"), str):
             raise EnvHTTPError(200, "bad_reply", f"/reset answered without an observation: {str(raw)[:200]!r}")
-        return ResetReply(raw["observation"], dict(raw.get("info") or {}), raw)
+        obs = raw["observation"]
+        if self.flavor == "agentgym" and isinstance(raw.get("task_description"), str):
+            obs = f"{raw['task_description']}\n{obs}"  # AgentGym's SciWorld client does the same
+        return ResetReply(obs, dict(raw.get("info") or {}) if isinstance(raw.get("info"), dict) else {}, raw)
 
     async def step(self, env_id: int, action: str) -> StepReply:
         key = "env_idx" if self.flavor in ("agentgym_searchqa", "agentgym_webarena") else "id"
@@ -331,9 +337,12 @@ def _decode(status: int, data: bytes, path: str) -> Any:
             code, message = "http_error", data[:500].decode("utf-8", "replace")
         cls = {404: EnvNotFound, 503: EnvBusyError}.get(status, EnvHTTPError)
         raise cls(status, code, message)
-    if isinstance(body, dict) and "error" in body and len(body) <= 2 and "observation" not in body:
+    if isinstance(body, dict) and "error" in body and len(body) <= 2 and "observation" not in body and status < 400:
         err = body["error"]  # AgentGym: HTTP 200 with {"error": "..."}
         if isinstance(err, dict):
             raise EnvHTTPError(status, str(err.get("code", "error")), str(err.get("message", "")))
-        raise EnvHTTPError(status, "agentgym_error", str(err)[:500])
+        code = body.get("error_code")  # envhub's AgentGym face names the code beside it
+        code = str(code) if isinstance(code, str) else "agentgym_error"
+        cls = {"not_found": EnvNotFound, "busy": EnvBusyError}.get(code, EnvHTTPError)
+        raise cls(status, code, str(err)[:500])
     return body

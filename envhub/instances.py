@@ -302,6 +302,15 @@ class InstanceTable:
             raise ApiError(501, "no_action_hint", f"env {self.family.name!r} has no action hints; GET /action_hint is not available")
         return await self._run(inst, "action_hint", fn)
 
+    async def call(self, env_id: int, method: str, *args: Any) -> Any:
+        """``inst.env.<method>(*args)`` under the instance lock (AgentGym's extra routes); 404
+        ``no_route`` when this family's env has no such method."""
+        inst = self._get(env_id)
+        fn = getattr(inst.env, method, None)
+        if fn is None:
+            raise ApiError(404, "no_route", f"env {self.family.name!r} has no {method.removeprefix('agentgym_')!r} route")
+        return await self._run(inst, "query", fn, *args)
+
     async def close(self, env_id: int) -> None:
         """Idempotent for any id this server handed out; 404 for ids it never did."""
         if env_id in self.gone:

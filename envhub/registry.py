@@ -2,11 +2,14 @@
 
 ``factory(cfg: conf.schema.EnvConfig) -> envhub.base.EnvFamily``.  When
 ``cfg.options`` holds ``sim_latency`` the family is wrapped in the simulated long-tail
-workload of ``envhub.simwork`` (benchmarks only; off by default).
+workload of ``envhub.simwork`` (benchmarks only; off by default).  Client-side keys
+(``CLIENT_OPTIONS``: ``flavor``, which server the env *client* talks to) are not the family's
+and are removed before it reads its options.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 FAMILIES: dict[str, str] = {
@@ -18,7 +21,13 @@ FAMILIES: dict[str, str] = {
 }
 
 
+CLIENT_OPTIONS = ("flavor",)
+"""``env.options`` keys read by env clients (``envhub.client.EnvClient``), not by families."""
+
+
 def make_family(cfg):
+    if any(k in cfg.options for k in CLIENT_OPTIONS):
+        cfg = dataclasses.replace(cfg, options={k: v for k, v in cfg.options.items() if k not in CLIENT_OPTIONS})
     if cfg.name not in FAMILIES:
         raise ValueError(f"config key 'env.name': unknown env {cfg.name!r}; choose one of {sorted(FAMILIES)}")
     from envhub.simwork import split_options, wrap

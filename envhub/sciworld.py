@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from envhub.base import EnvBusy, ResetResult, StepResult
+from envhub.base import AgentGymShape, EnvBusy, ResetResult, StepResult
 from envhub.options import read_options
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ class SciWorldEnv:
         self._score = 0
         self._obs = ""
         self._done = False
+        self._task_description = ""
 
     # -- JVM lending ----------------------------------------------------------------------------
     def _give_back(self) -> None:
@@ -233,7 +234,9 @@ class SciWorldEnv:
         self._obs = f"{desc}\n{look}"
         info = {"category": game.task_name, "task_id": game.task_id, "variation": game.variation}
         extra = {"task_name": game.task_name, "var_num": game.variation, "task_description": desc,
-                 "score": self._score, "deleted": False, "done": False}
+                 "score": self._score, "deleted": False, "done": False,
+                 "observation": look}  # AgentGym's reset: the room; its client prepends the description
+        self._task_description = desc
         return ResetResult(observation=self._obs, info=info, extra=extra)
 
     def _load(self, game: Game, gold: bool) -> tuple[str, str]:
@@ -293,6 +296,42 @@ class SciWorldEnv:
         self._give_back()
         self._done = True
 
+    # -- AgentGym's extra routes (envhub.server, root face) ---------------------------------------
+    def _jvm_or_raise(self) -> Any:
+        if self._jvm is None:
+            raise RuntimeError("no running episode (reset first)")
+        return self._jvm
+
+    def agentgym_goals(self) -> dict[str, str]:
+        return {"goals": str(self._call(self._jvm_or_raise().get_goal_progress))}
+
+    def agentgym_detail(self) -> dict[str, Any]:
+        game = self.game
+        return {"task_name": game.task_name if game else "", "var_num": game.variation if game else 0,
+                "task_description": self._task_description, "observation": self._obs,
+                "score": self._score, "deleted": False, "done": self._done}
+
+    def agentgym_task_description(self) -> dict[str, str]:
+        return {"task_description": self._task_description}
+
+    def agentgym_object_tree(self) -> dict[str, str]:
+        return {"object_tree": str(self._call(self._jvm_or_raise().getObjectTree))}
+
+    def agentgym_state(self) -> dict[str, Any]:
+        """AgentGym's ``/state``; its ``observation`` is ScienceWorld's ``look()`` (a free look)."""
+        jvm = self._jvm_or_raise()
+        hint = self.action_hint()
+        return {
+            "observation": str(self._call(jvm.look)),
+            "inventory": str(self._call(jvm.inventory)),
+            "task_description": self._task_description,
+            "goal_progress": str(self._call(jvm.get_goal_progress)),
+            "possible_actions": hint["possible_actions"][:10],
+            "possible_objects": hint["possible_objects"][:10],
+            "current_moves": int(self._call(jvm.server.getNumMoves)),
+            "environment_info": self.agentgym_detail(),
+        }
+
 
 OPTIONS: dict[str, Any] = {
     "jvm_pool": 2,
@@ -309,6 +348,7 @@ class SciWorldFamily:
     """The JVM pool and the task list, shared by every instance of the server."""
 
     name = "sciworld"
+    agentgym = AgentGymShape(extra_routes=("goals", "detail", "task_description", "object_tree", "state"))
 
     def __init__(self, jvm_pool: int = 2, jvm_wait_s: float = 120.0, step_limit: int = 100,
                  java_opts: str = JAVA_OPTS, simplifications: str = "", max_waiting: int = 16) -> None:

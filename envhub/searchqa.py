@@ -8,10 +8,10 @@ Each step takes the agent's raw text and acts on its *first* tag:
   with the retriever's top ``top_k`` documents; reward 0, not done.
 * ``<answer>a</answer>`` (the *last* ``<answer>`` in the text is graded, as AgentGym) ->
   normalised exact match against any golden answer (lowercase; punctuation, the articles
-  a/an/the and extra whitespace removed).  Right: reward 1, done.  Wrong: reward 0 and **done**
-  — the episode ends.  *Difference from AgentGym*, which answers "Sorry, your answer is
-  incorrect. Please try again." and keeps the episode open, so an agent could enumerate
-  guesses; here one answer is final.
+  a/an/the and extra whitespace removed).  Right: reward 1, done.  Wrong, by default: reward 0
+  and **done** — one answer is final.  *Difference from AgentGym*, which answers "Sorry, your
+  answer is incorrect. Please try again." and keeps the episode open, so an agent could
+  enumerate guesses; ``wrong_answer: retry`` restores AgentGym's behaviour and text.
 * neither tag -> an observation explaining the format; reward 0, not done.
 
 ``info["category"]`` (reset) is the item's ``data_source`` (else the questions file's stem);
@@ -31,6 +31,12 @@ Options (``env.options``):
   ``top_k``: documents per search (default 3, AgentGym's).
   ``retriever_url``: e.g. ``http://127.0.0.1:8000/retrieve`` (for ``http``).
   ``retriever_timeout_s``: HTTP timeout per search (default 30).
+  ``wrong_answer``: ``end`` (default: a wrong answer ends the episode) or ``retry`` (AgentGym's:
+    "Sorry, your answer is incorrect. Please try again.", the episode goes on).
+
+AgentGym's routes (``envhub.server``, root face): ``POST /create {"id"}`` answers the bare int
+instance id with task ``id`` already loaded; ``POST /reset {"env_idx", "id"}`` answers the prompt
+string.  The prompt is AgentGym's byte for byte (question stripped).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from envhub.base import ResetResult, StepResult
+from envhub.base import AgentGymShape, ResetResult, StepResult
 from envhub.options import read_options
 from envhub.retrieval import BM25Retriever, HttpRetriever, Retriever, passages
 from envhub.searchqa_data import CORPUS_FILE, DATA_DIR, QUESTIONS_FILE
@@ -63,6 +69,8 @@ INVALID = (
 )
 RIGHT = "Congratulations! You have answered the question correctly."
 WRONG = "Sorry, your answer is incorrect. The episode has ended."
+WRONG_RETRY = "Sorry, your answer is incorrect. Please try again."
+WRONG_ANSWER = ("end", "retry")
 EMPTY_QUERY = "Your search query is empty. Put the words to search for between <search> and </search>."
 
 _OPEN = re.compile(r"<(search|answer)>")
@@ -168,14 +176,15 @@ def load_questions(paths: list[str]) -> list[QAItem]:
 class SearchQAEnv:
     """One question at a time; the retriever is shared (read-only) with other instances."""
 
-    def __init__(self, items: list[QAItem], retriever: Retriever, top_k: int) -> None:
+    def __init__(self, items: list[QAItem], retriever: Retriever, top_k: int, wrong_answer: str = "end") -> None:
         self._items, self._retriever, self._top_k = items, retriever, top_k
+        self._retry = wrong_answer == "retry"
         self.item: QAItem | None = None
         self._obs = ""
 
     def reset(self, data_idx: int) -> ResetResult:
         self.item = self._items[data_idx % len(self._items)]
-        self._obs = PROMPT.format(question=self.item.question)
+        self._obs = PROMPT.format(question=self.item.question.strip())
         return ResetResult(observation=self._obs, info={"category": self.item.category, "item_id": self.item.id})
 
     def step(self, action: str) -> StepResult:
@@ -195,11 +204,10 @@ class SearchQAEnv:
                 obs = f"<information>{passages(docs)}</information>"
         else:
             answer = (last_answer(action) or "").strip()
-            done = True
             if exact_match(answer, list(self.item.golden_answers)):
-                obs, reward = RIGHT, 1.0
+                obs, reward, done = RIGHT, 1.0, True
             else:
-                obs = WRONG
+                obs, done = (WRONG_RETRY, False) if self._retry else (WRONG, True)
         self._obs = obs
         return StepResult(observation=obs, reward=reward, done=done, info={"success": reward == 1.0, "action": kind})
 
@@ -217,20 +225,24 @@ OPTIONS: dict[str, Any] = {
     "top_k": 3,
     "retriever_url": "",
     "retriever_timeout_s": 30.0,
+    "wrong_answer": "end",
 }
 """Every option this family reads, with its default (documented in the module docstring)."""
 
 
 class SearchQAFamily:
     name = "searchqa"
+    agentgym = AgentGymShape(create="bare_id", reset="text")
 
-    def __init__(self, retriever: Retriever, items: list[QAItem], top_k: int = 3) -> None:
+    def __init__(self, retriever: Retriever, items: list[QAItem], top_k: int = 3, wrong_answer: str = "end") -> None:
         if top_k < 1:
             raise ValueError("config key 'env.options.top_k': must be >= 1")
-        self.retriever, self.items, self.top_k = retriever, items, top_k
+        if wrong_answer not in WRONG_ANSWER:
+            raise ValueError(f"config key 'env.options.wrong_answer': {wrong_answer!r} is not one of {WRONG_ANSWER}")
+        self.retriever, self.items, self.top_k, self.wrong_answer = retriever, items, top_k, wrong_answer
 
     def create(self) -> SearchQAEnv:
-        return SearchQAEnv(self.items, self.retriever, self.top_k)
+        return SearchQAEnv(self.items, self.retriever, self.top_k, self.wrong_answer)
 
     def num_tasks(self) -> int:
         return len(self.items)
@@ -253,4 +265,4 @@ def make_family(cfg) -> SearchQAFamily:
     q = opts["questions"]
     paths = [str(p) for p in q] if isinstance(q, (list, tuple)) else ([str(q)] if q else [])
     items = load_questions(paths or [os.path.join(DATA_DIR, QUESTIONS_FILE)])
-    return SearchQAFamily(make_retriever(opts), items, int(opts["top_k"]))
+    return SearchQAFamily(make_retriever(opts), items, int(opts["top_k"]), str(opts["wrong_answer"]))

@@ -1,15 +1,42 @@
 """The HTTP server of one env family: AgentGym's wire API over ``envhub.base.Env``.
 
-Routes (JSON in, JSON out):
+Two faces of the same routes (JSON in, JSON out):
 
-- ``POST /create`` (optional body, ignored) -> ``{"id": int, "env_idx": int}``
+- **AgentGym's routes** at the root (``/create``, ``/reset``, ...): the shapes AgentGym's own
+  ``agentenv`` clients read, per family (``family.agentgym``, an ``AgentGymShape``), and
+  AgentGym's error convention: an error about the env or the instance (unknown / closed /
+  expired id, step before reset or after the end, broken instance, busy, instance limit, the
+  env failing) is **HTTP 200 with** ``{"error": "<message>", "error_code": "<code>"}`` —
+  their clients assert ``status_code == 200`` and then fail reading the missing field, so a
+  4xx would turn into an ``AssertionError`` instead.  ``POST /close`` of an unknown id answers
+  ``false`` (as theirs).  Malformed requests keep their status (422 / 413, like FastAPI's
+  validation errors), as do unknown routes (404) and wrong methods (405).
+- **Our API** under ``/v1`` (``/v1/create``, ``/v1/reset``, ...): the same operations with
+  real status codes and ``{"error": {"code", "message"}}`` bodies, a uniform ``/v1/create`` ->
+  ``{"id", "env_idx"}`` (no implicit reset) and ``/v1/reset`` -> a dict in every family.
+  ``envhub.client.EnvClient`` (flavor ``turnscale``) speaks this one.
+
+``render_error`` is the one place an ``ApiError`` becomes a response (per face).
+
+Routes (both faces unless noted):
+
+- ``POST /create`` -> ``{"id": int, "env_idx": int}``.  AgentGym face per family: TextCraft
+  resets the new instance to ``data_idx = id`` (or to the custom task of a ``{"commands",
+  "goal"}`` body) and answers ``{"id", "observation", "done", "reward"}``; SearchQA loads task
+  ``body.id`` (default 0) and answers the bare int id.
 - ``POST /reset {"id" | "env_idx", "data_idx" | "idx"}`` -> ``{"id", "observation", "done":
   false, "reward": 0, "truncated": false, "info", ...extra}``.  AgentGym's SearchQA client
   sends ``{"env_idx", "id"}`` where ``id`` is the task index: when ``env_idx`` is present it
-  names the instance and ``data_idx``/``idx``/``id`` the task.
+  names the instance and ``data_idx``/``idx``/``id`` the task.  AgentGym face: SearchQA
+  answers the prompt string; ``observation`` is ``extra["observation"]`` where the env sets one
+  (SciWorld: the room alone, since AgentGym's client prepends ``task_description`` itself).
 - ``POST /step {"id" | "env_idx", "action"}`` -> ``{"observation", "reward", "done",
   "truncated", "info", ...extra}`` (``extra`` holds AgentGym fields such as ``score``)
-- ``GET /observation?id=`` -> the observation as a JSON string (AgentGym's shape)
+- ``GET /observation?id=`` -> the observation as a JSON string (AgentGym's shape); AgentGym
+  face of BabyAI: ``{"observation", "reward", "score", "done", "deleted"}``.
+- AgentGym's per-env extra routes (AgentGym face; 404 ``no_route`` for families without them):
+  BabyAI ``POST /render {id}``; TextCraft ``GET /commands``, ``/goal``, ``/detail``;
+  SciWorld ``GET /goals``, ``/detail``, ``/task_description``, ``/object_tree``, ``/state``.
 - ``GET /action_hint?id=`` -> AgentGym's ``{"possible_actions", "possible_objects"}`` (SciWorld;
   501 for envs without hints).
 - ``GET /expert?id=`` -> ``{"action": str}``: the env's expert next action (envs that have
@@ -18,15 +45,18 @@ Routes (JSON in, JSON out):
 - ``GET /health`` and ``GET /`` -> ``{"status": "ok", "env", "instances"}`` (200 once ready)
 - ``GET /metrics`` -> counters, errors by code, latency percentiles per operation
 
-Errors are real status codes with ``{"error": {"code", "message"}}``: 404 unknown / closed /
-expired id or route, 405 wrong method, 413 body too large, 422 malformed body or missing
-field, 409 step before reset or after the episode ended, 410 instance broken by an earlier
-internal error or closed after a call overran its deadline, 429 instance limit (server-wide
-or the client's quota; ``Retry-After`` set), 408 body too slow, 501 no expert for this env, 503 busy (``EnvBusy``: a
-shared resource such as the SciWorld JVM pool is exhausted; ``Retry-After`` is set and the
-instance stays usable; ``workers_exhausted``: too many env calls overran their deadline),
-504 an env call overran ``env.limits.call_timeout_s`` (instance closed), 500 internal
-failure (instance marked broken).  No stack trace is ever sent; the server logs it.
+Errors on ``/v1`` are real status codes with ``{"error": {"code", "message"}}``: 404 unknown /
+closed / expired id or route, 405 wrong method, 413 body too large, 422 malformed body or
+missing field, 409 step before reset or after the episode ended, 410 instance broken by an
+earlier internal error, 429 instance limit (server-wide or the client's quota; ``Retry-After``
+set), 408 body too slow, 410 also for an instance closed after a call overran its deadline,
+501 no expert for this env, 503 busy (``EnvBusy``: a shared resource such as the SciWorld JVM
+pool is exhausted; ``Retry-After`` is set and the instance stays usable;
+``workers_exhausted``: too many env calls overran their deadline), 504 an env call overran
+``env.limits.call_timeout_s`` (instance closed), 500 internal failure (instance marked
+broken).  No stack trace is ever sent; the server logs it.  On AgentGym's face the same
+errors about an instance or the env are HTTP 200 with ``{"error", "error_code"}``; errors
+about the request itself (408, 413, 422, 405, 404 route) keep their status.
 
 Limits (``env.limits``, README "Security and limits"): bodies are size- and time-bounded
 while they are read and must be shallow, valid-Unicode JSON (``envhub.bodies``); every env
@@ -51,7 +81,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from envhub.base import EnvFamily
+from envhub.base import AgentGymShape, EnvFamily
 from envhub.bodies import encode_json, parse_json_object, read_body
 from envhub.httpserver import STATS, RateLimitedLog
 from envhub.instances import ApiError, InstanceTable
@@ -129,13 +159,46 @@ def action_text(data: dict[str, Any]) -> str:
 
 
 # -- routes ------------------------------------------------------------------------------
+V1 = "/v1"
+"""Prefix of our own face (real status codes); the root is AgentGym's."""
+
+
 def _table(request: Request) -> InstanceTable:
     return request.app.state.table
 
 
+def _is_v1(request: Request) -> bool:
+    return request.url.path.startswith(V1 + "/")
+
+
+def _shape(request: Request) -> AgentGymShape:
+    return getattr(_table(request).family, "agentgym", None) or AgentGymShape()
+
+
+def _query_id(request: Request) -> int:
+    query = dict(request.query_params)
+    if "id" not in query and "env_idx" not in query:
+        raise ApiError(422, "missing_field", "missing query parameter 'id'")
+    return instance_id(query)
+
+
 async def create(request: Request) -> Response:
-    await _body(request, required=False)
-    env_id = await _table(request).create(client_key(request))
+    data = await _body(request, required=False)
+    table = _table(request)
+    env_id = await table.create(client_key(request))
+    if _is_v1(request):
+        return _json({"id": env_id, "env_idx": env_id})
+    shape = _shape(request)
+    if shape.create == "reset":  # TextCraft: the new instance is already playing task `id`
+        out = await table.reset(env_id, env_id)
+        if data.get("commands") is not None and data.get("goal") is not None:
+            obs = await table.call(env_id, "agentgym_custom_task", data["commands"], data["goal"])
+        else:
+            obs = out.observation
+        return _json({"id": env_id, "env_idx": env_id, "observation": obs, "done": False, "reward": 0})
+    if shape.create == "bare_id":  # SearchQA: the instance holds task `body.id` from the start
+        await table.reset(env_id, task_index({"env_idx": env_id, "id": data.get("id", 0)}))
+        return _json(env_id)
     return _json({"id": env_id, "env_idx": env_id})
 
 
@@ -143,8 +206,13 @@ async def reset(request: Request) -> Response:
     data = await _body(request)
     env_id, data_idx = instance_id(data), task_index(data)
     out = await _table(request).reset(env_id, data_idx)
-    payload = {**out.extra, "id": env_id, "observation": out.observation, "done": False, "reward": 0.0, "truncated": False, "info": out.info}
-    return _json(payload)
+    extra = dict(out.extra)
+    agentgym_obs = extra.pop("observation", out.observation)  # AgentGym's own reset text, if it differs
+    if _is_v1(request):
+        return _json({**extra, "id": env_id, "observation": out.observation, "done": False, "reward": 0.0, "truncated": False, "info": out.info})
+    if _shape(request).reset == "text":
+        return _json(agentgym_obs)
+    return _json({**extra, "id": env_id, "observation": agentgym_obs, "done": False, "reward": 0.0, "truncated": False, "info": out.info})
 
 
 async def step(request: Request) -> Response:
@@ -157,30 +225,38 @@ async def step(request: Request) -> Response:
 
 
 async def observation(request: Request) -> Response:
-    query = dict(request.query_params)
-    if "id" not in query and "env_idx" not in query:
-        raise ApiError(422, "missing_field", "missing query parameter 'id'")
-    env_id = instance_id(query)
+    env_id = _query_id(request)
+    if not _is_v1(request) and _shape(request).observation == "dict":
+        return _json(await _table(request).call(env_id, "agentgym_observation"))
     return _json(await _table(request).observation(env_id))
 
 
 async def expert(request: Request) -> Response:
-    query = dict(request.query_params)
-    if "id" not in query and "env_idx" not in query:
-        raise ApiError(422, "missing_field", "missing query parameter 'id'")
-    return _json({"action": await _table(request).expert(instance_id(query))})
+    return _json({"action": await _table(request).expert(_query_id(request))})
 
 
 async def action_hint(request: Request) -> Response:
-    query = dict(request.query_params)
-    if "id" not in query and "env_idx" not in query:
-        raise ApiError(422, "missing_field", "missing query parameter 'id'")
-    return _json(await _table(request).action_hint(instance_id(query)))
+    return _json(await _table(request).action_hint(_query_id(request)))
+
+
+async def agentgym_extra(request: Request) -> Response:
+    """One of AgentGym's per-env extra routes (``GET /<name>?id=`` or ``POST /<name> {id}``)."""
+    name = request.url.path.rsplit("/", 1)[-1]
+    if name not in _shape(request).extra_routes:
+        raise ApiError(404, "no_route", f"{request.method} {request.url.path}: the {_table(request).family.name} server has no such route")
+    env_id = instance_id(await _body(request)) if request.method == "POST" else _query_id(request)
+    return _json(await _table(request).call(env_id, "agentgym_" + name))
 
 
 async def close(request: Request) -> Response:
     data = await _body(request)
-    await _table(request).close(instance_id(data))
+    env_id = instance_id(data)
+    try:
+        await _table(request).close(env_id)
+    except ApiError as exc:
+        if exc.code == "not_found" and not _is_v1(request):
+            return _json(False)  # AgentGym: closing an unknown id answers false
+        raise
     return _json(True)
 
 
@@ -197,15 +273,32 @@ async def metrics(request: Request) -> Response:
 
 
 # -- errors ------------------------------------------------------------------------------
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    request.app.state.table.errors[exc.code] += 1
-    resp = error_response(exc.status, exc.code, exc.message)
-    if exc.retry_after_s is not None:
-        resp.headers["Retry-After"] = str(exc.retry_after_s)
-    if exc.close_connection:
+_REQUEST_ERRORS = frozenset({405, 408, 413, 422})
+"""Statuses about the request itself: kept on AgentGym's face too (FastAPI answers 422 for a
+body its models reject)."""
+
+
+def render_error(request: Request, status: int, code: str, message: str, retry_after_s: int | None = None, *,
+                 close: bool = False) -> Response:
+    """The one place an error becomes a response.  ``/v1``: the status and ``{"error": {"code",
+    "message"}}``.  AgentGym's face: errors about the env or the instance are HTTP 200 with
+    ``{"error": message, "error_code": code}`` (AgentGym's convention); request errors (405, 413,
+    422) and unknown routes keep their status."""
+    request.app.state.table.errors[code] += 1
+    if not _is_v1(request) and status not in _REQUEST_ERRORS and code not in ("no_route", "internal"):
+        resp = _json({"error": message, "error_code": code})
+    else:
+        resp = error_response(status, code, message)
+    if retry_after_s is not None:
+        resp.headers["Retry-After"] = str(retry_after_s)
+    if close:  # e.g. a refused body whose rest is not read
         resp.headers["Connection"] = "close"
     return resp
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return render_error(request, exc.status, exc.code, exc.message, exc.retry_after_s, close=exc.close_connection)
 
 
 _gone_log = RateLimitedLog(log, per_s=1.0, burst=5)
@@ -221,17 +314,38 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "no_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    request.app.state.table.errors[code] += 1
-    return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
+    return render_error(request, exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-    request.app.state.table.errors["internal"] += 1
-    return error_response(500, "internal", f"internal server error ({type(exc).__name__}); see the server log")
+    return render_error(request, 500, "internal", f"internal server error ({type(exc).__name__}); see the server log")
 
 
-_PATHS = frozenset({"/create", "/reset", "/step", "/observation", "/expert", "/action_hint", "/close", "/health", "/", "/metrics"})
+_OPS: tuple[tuple[str, Any, list[str]], ...] = (
+    ("/create", create, ["POST"]),
+    ("/reset", reset, ["POST"]),
+    ("/step", step, ["POST"]),
+    ("/observation", observation, ["GET"]),
+    ("/close", close, ["POST"]),
+    ("/expert", expert, ["GET"]),
+    ("/action_hint", action_hint, ["GET"]),
+    ("/health", health, ["GET"]),
+    ("/metrics", metrics, ["GET"]),
+)
+AGENTGYM_EXTRA: tuple[tuple[str, list[str]], ...] = (
+    ("/render", ["POST"]),
+    ("/commands", ["GET"]),
+    ("/goal", ["GET"]),
+    ("/detail", ["GET"]),
+    ("/goals", ["GET"]),
+    ("/task_description", ["GET"]),
+    ("/object_tree", ["GET"]),
+    ("/state", ["GET"]),
+)
+"""AgentGym's per-env extra routes (root face only); a family serves those in its
+``agentgym.extra_routes``."""
+_PATHS = frozenset([p for p, _, _ in _OPS] + [V1 + p for p, _, _ in _OPS] + [p for p, _ in AGENTGYM_EXTRA] + ["/"])
 
 
 class _Timing:
@@ -294,18 +408,9 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
             await table.close_all()
             await _close_family(family, table.limits.shutdown_timeout_s)
 
-    routes = [
-        Route("/create", create, methods=["POST"]),
-        Route("/reset", reset, methods=["POST"]),
-        Route("/step", step, methods=["POST"]),
-        Route("/observation", observation, methods=["GET"]),
-        Route("/close", close, methods=["POST"]),
-        Route("/expert", expert, methods=["GET"]),
-        Route("/action_hint", action_hint, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
+    routes = [Route(prefix + path, fn, methods=methods) for prefix in ("", V1) for path, fn, methods in _OPS]
+    routes += [Route(path, agentgym_extra, methods=methods) for path, methods in AGENTGYM_EXTRA]
+    routes.append(Route("/", health, methods=["GET"]))
     handlers = {ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.table = table

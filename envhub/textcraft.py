@@ -2,22 +2,34 @@
 
 Our own engine (the package's env class is not used: see FACTS.md).  It reproduces AgentGym's
 ``agentenv-textcraft`` rules — recipe parsing, cycle skipping, tag handling, goal ordering,
-commands with distractors, the action grammar and its failure messages — with the
-non-determinism removed:
+commands with distractors, the action grammar and its failure messages.
 
-* recipe files are read in sorted file-name order (AgentGym uses ``os.listdir`` order, which
-  decides which recipe of a cycle is kept and the order of goals within one depth);
-* recipe and distractor lists are de-duplicated in first-seen order (AgentGym uses ``set``\\ s,
-  whose order depends on ``PYTHONHASHSEED``);
-* the only randomness (distractor sampling and command shuffling) comes from
-  ``random.Random(data_idx)``; no global RNG is touched.
+Task selection (AgentGym's): ``goals`` = every item with a crafting recipe and depth >= 1, in
+recipe load order, stably sorted by depth; ``data_idx % len(goals)`` selects the goal.  With
+the package's 860 files read in sorted order: 544 goals, depth 1 = ids 0-124 (125), depth 2 =
+125-415 (291), depth 3 = 416-532 (117), depth 4 = 533-543 (11).  Depth = minimum over recipes
+of the maximum over ingredients of (ingredient depth + 1); items without recipes have depth 0.
 
-Task selection: ``goals`` = every item with a crafting recipe and depth >= 1, in recipe
-insertion order, stably sorted by depth (AgentGym's ``sorted(..., key=depth)``);
-``data_idx % len(goals)`` selects the goal.  With the package's 860 files: 544 goals,
-depth 1 = ids 0-124 (125), depth 2 = 125-415 (291), depth 3 = 416-532 (117),
-depth 4 = 533-543 (11).  Depth = minimum over recipes of the maximum over ingredients of
-(ingredient depth + 1); items without recipes have depth 0.
+First observation (AgentGym's ``TextCraftEnv.reset``, byte for byte): ``Crafting commands:\n
+<commands>\n\nGoal: craft <goal>.``.  The commands are built as AgentGym builds them: the
+random generator is re-seeded with 42 at every reset (not with ``data_idx``); for each recipe of
+the goal's crafting tree (with repeats) and each ingredient, up to 10 recipes that use the
+ingredient are sampled into a distractor pool; the goal's own commands and the pool's other
+commands are de-duplicated; up to ``max_distractors`` distractors are sampled; the list is
+shuffled.  What AgentGym's order depends on, and how we pin it:
+
+* **recipe file order** (``recipe_order``): AgentGym loads files in ``os.listdir`` order, which
+  decides which recipe of a cycle is kept, the goal order within one depth and the distractor
+  pools.  ``os.listdir`` order is the file system's (ext4: a hash with a per-file-system seed)
+  and is *not reproducible across machines*.  ``sorted`` (default) is our fixed order;
+  ``listdir`` reads this machine's order (equal to an AgentGym server reading the same directory
+  here); a path names a file with one recipe file name per line (an ``os.listdir`` listing
+  taken where their server ran).
+* **set order** (``agentgym_hashseed``): AgentGym de-duplicates through ``set``\ s, whose order
+  follows ``PYTHONHASHSEED``.  ``None`` (default): first-seen order (deterministic, equal to no
+  particular AgentGym run); an int N: exactly the order of their server started with
+  ``PYTHONHASHSEED=N`` on CPython of our minor version (computed once at start-up in a helper
+  process, ``envhub.pyhash``).
 
 Actions (exactly one per step, surrounding whitespace ignored):
 ``get N item`` (base items only), ``craft N item using N a, N b, ...`` (ingredient counts must
@@ -26,11 +38,18 @@ normal step with reward 0 whose observation says why (``Could not find ...``,
 ``Could not execute ...``, ``Wrong item format: ...``).  Reward 1 and ``done`` when the goal
 item is obtained.  ``info["category"]`` is ``depth-<d>``.
 
+AgentGym's routes (``envhub.server``): ``POST /create`` resets the new instance to ``data_idx =
+id`` and answers the first observation; ``{"commands", "goal"}`` in its body sets a custom task
+instead (AgentGym's server accepts these but ignores them); ``GET /commands``, ``/goal``,
+``/detail``.
+
 Options (``env.options``):
   ``recipes_dir``: a directory of recipe JSONs in Minecraft's format (the files themselves, or a
     directory with a ``recipes/`` sub-folder).  Empty: the ``textcraft`` package's data.
   ``max_distractors``: distractor commands shown beside the goal's own recipes (default 10,
     AgentGym's).
+  ``recipe_order``: ``sorted`` | ``listdir`` | path of a listing file (see above).
+  ``agentgym_hashseed``: ``None`` | an int (see above).
 """
 
 from __future__ import annotations
@@ -43,7 +62,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from envhub.base import ResetResult, StepResult
+from envhub.base import AgentGymShape, ResetResult, StepResult
 from envhub.options import read_options
 
 PREFIX = "minecraft:"
@@ -114,15 +133,29 @@ def default_recipes_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "data", "recipes")
 
 
-def _recipe_files(recipes_dir: str) -> list[str]:
+def _recipe_files(recipes_dir: str, order: str = "sorted") -> list[str]:
+    """The recipe files in load order: ``sorted``, ``listdir`` (this file system's order) or the
+    order of a listing file (one file name per line; names not in the directory are errors)."""
     sub = os.path.join(recipes_dir, "recipes")
     if os.path.isdir(sub):
         recipes_dir = sub
     if not os.path.isdir(recipes_dir):
         raise FileNotFoundError(f"env.options.recipes_dir: {recipes_dir!r} is not a directory")
-    names = sorted(n for n in os.listdir(recipes_dir) if n.endswith(".json"))
-    if not names:
+    present = [n for n in os.listdir(recipes_dir) if n.endswith(".json")]
+    if not present:
         raise FileNotFoundError(f"env.options.recipes_dir: no *.json recipe files in {recipes_dir!r}")
+    if order == "sorted":
+        names = sorted(present)
+    elif order == "listdir":
+        names = present
+    else:
+        if not os.path.isfile(order):
+            raise FileNotFoundError(f"env.options.recipe_order: {order!r} is neither 'sorted', 'listdir' nor a listing file")
+        with open(order, encoding="utf-8") as f:
+            names = [line.strip() for line in f if line.strip().endswith(".json")]
+        missing = sorted(set(names) - set(present))
+        if missing or len(set(names)) != len(present):
+            raise ValueError(f"env.options.recipe_order: the listing {order!r} does not name exactly the {len(present)} files of {recipes_dir!r} (e.g. missing here: {missing[:3]})")
     return [os.path.join(recipes_dir, n) for n in names]
 
 
@@ -138,7 +171,7 @@ class RecipeBook:
     a tag ingredient none of whose member items has a recipe becomes a plain item.
     """
 
-    def __init__(self, recipes_dir: str = "") -> None:
+    def __init__(self, recipes_dir: str = "", order: str = "sorted") -> None:
         self.recipes: dict[str, list[Recipe]] = {}
         """item_id -> its recipes, in load order."""
         self.tag_recipes: dict[str, list[Recipe]] = {}
@@ -147,7 +180,7 @@ class RecipeBook:
         self.tags: set[str] = set()
         self.item_tag: dict[str, str] = {}
         """item_id -> the tag its recipe's group puts it in."""
-        raw = self._load(_recipe_files(recipes_dir or default_recipes_dir()))
+        raw = self._load(_recipe_files(recipes_dir or default_recipes_dir(), order))
         self._convert_dead_tags(raw)
         self._freeze(raw)
         self._depth: dict[str, int] = {}
@@ -328,8 +361,10 @@ class RecipeBook:
                 out.extend(self.tree(i.ref.name, seen))
         return out
 
-    def commands(self, goal: str, rng: random.Random, max_distractors: int = MAX_DISTRACTORS) -> list[str]:
-        """The goal's crafting commands plus up to ``max_distractors`` distractors, shuffled."""
+    def pools(self, goal: str, rng: random.Random) -> tuple[list[str], list[str]]:
+        """(the goal tree's commands, the other distractor commands), each de-duplicated in
+        first-seen order; draws the distractor pools from ``rng`` as AgentGym's
+        ``create_recipe_set`` does (up to 10 uses of every ingredient of every tree recipe)."""
         recipes = self.tree(goal)
         pool: list[Recipe] = []
         for r in recipes:
@@ -340,9 +375,32 @@ class RecipeBook:
         own = list(dict.fromkeys(r.command for r in recipes))
         own_set = set(own)
         distract = [c for c in dict.fromkeys(r.command for r in pool) if c not in own_set]
+        return own, distract
+
+    def commands(self, goal: str, max_distractors: int = MAX_DISTRACTORS,
+                 set_order: dict[str, tuple[list[str], list[str]]] | None = None) -> list[str]:
+        """The goal's crafting commands plus up to ``max_distractors`` distractors, shuffled, as
+        AgentGym's reset draws them (generator seeded 42).  ``set_order[goal]``: the two lists
+        in the set order of a given hash seed (else first-seen order)."""
+        rng = random.Random(42)
+        own, distract = self.pools(goal, rng)
+        if set_order is not None:
+            own, distract = set_order[goal]
         chosen = own + rng.sample(distract, min(len(distract), max_distractors))
         rng.shuffle(chosen)
         return chosen
+
+    def set_orders(self, hashseed: int) -> dict[str, tuple[list[str], list[str]]]:
+        """For every goal, its two command lists in the iteration order of the ``set``\ s a
+        process with ``PYTHONHASHSEED=hashseed`` builds (``envhub.pyhash``; one helper process)."""
+        from envhub.pyhash import set_orders
+
+        goals = [g for g, _ in self.goals]
+        lists: list[list[str]] = []
+        for g in goals:
+            lists.extend(self.pools(g, random.Random(42)))
+        ordered = set_orders(lists, hashseed)
+        return {g: (ordered[2 * k], ordered[2 * k + 1]) for k, g in enumerate(goals)}
 
 
 def solve(book: RecipeBook, goal: str) -> list[str]:
@@ -428,9 +486,12 @@ def _count(digits: str, what: str) -> int:
 class TextCraftEnv:
     """One TextCraft game; ``reset`` may be called again for a new episode."""
 
-    def __init__(self, book: RecipeBook, max_distractors: int = MAX_DISTRACTORS) -> None:
+    def __init__(self, book: RecipeBook, max_distractors: int = MAX_DISTRACTORS,
+                 set_order: dict[str, tuple[list[str], list[str]]] | None = None) -> None:
         self._book = book
         self._max_distractors = max_distractors
+        self._set_order = set_order
+        self.commands = ""
         self.goal = ""
         self.inventory: dict[str, int] = {}
         self._obs = ""
@@ -438,12 +499,33 @@ class TextCraftEnv:
 
     def reset(self, data_idx: int) -> ResetResult:
         goal, depth = self._book.goals[data_idx % len(self._book.goals)]
-        rng = random.Random(data_idx)
-        lines = self._book.commands(goal, rng, self._max_distractors)
-        self.goal, self.inventory, self._done = goal, {}, False
-        self._obs = "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(lines), item_id_to_str(goal))
+        lines = self._book.commands(goal, self._max_distractors, self._set_order)
+        self._start(goal, "\n".join(lines))
         info = {"category": f"depth-{depth}", "goal": item_id_to_str(goal), "depth": depth}
         return ResetResult(observation=self._obs, info=info)
+
+    def _start(self, goal: str, commands: str) -> None:
+        self.goal, self.commands, self.inventory, self._done = goal, commands, {}, False
+        self._obs = "Crafting commands:\n{}\n\nGoal: craft {}.".format(commands, item_id_to_str(goal))
+
+    # -- AgentGym's routes (envhub.server, root face) ---------------------------------------------
+    def agentgym_custom_task(self, commands: Any, goal: Any) -> str:
+        """A task given by its commands text and goal (``minecraft:torch`` or ``torch``); the
+        first observation.  Called right after a reset, so the instance is in an episode."""
+        if not isinstance(commands, str) or not isinstance(goal, str) or not goal.strip():
+            raise ValueError("custom task: 'commands' and 'goal' must be non-empty strings")
+        goal_id = goal.strip() if goal.strip().startswith(PREFIX) else str_to_item_id(goal)
+        self._start(goal_id, commands)
+        return self._obs
+
+    def agentgym_commands(self) -> str:
+        return self.commands
+
+    def agentgym_goal(self) -> str:
+        return item_id_to_str(self.goal)
+
+    def agentgym_detail(self) -> dict[str, Any]:
+        return {"observation": self._obs, "done": self._done, "reward": 1 if self._done else 0, "deleted": False}
 
     def step(self, action: str) -> StepResult:
         if not self.goal:
@@ -516,16 +598,19 @@ class TextCraftEnv:
 
 
 class TextCraftFamily:
-    """One recipe book shared (read-only) by every instance of the server."""
+    """One recipe book (and hash-seed command order) shared read-only by every instance."""
 
     name = "textcraft"
+    agentgym = AgentGymShape(create="reset", extra_routes=("commands", "goal", "detail"))
 
-    def __init__(self, recipes_dir: str = "", max_distractors: int = MAX_DISTRACTORS) -> None:
-        self.book = RecipeBook(recipes_dir)
+    def __init__(self, recipes_dir: str = "", max_distractors: int = MAX_DISTRACTORS, recipe_order: str = "sorted",
+                 agentgym_hashseed: int | None = None) -> None:
+        self.book = RecipeBook(recipes_dir, recipe_order)
         self.max_distractors = max_distractors
+        self.set_order = None if agentgym_hashseed is None else self.book.set_orders(agentgym_hashseed)
 
     def create(self) -> TextCraftEnv:
-        return TextCraftEnv(self.book, self.max_distractors)
+        return TextCraftEnv(self.book, self.max_distractors, self.set_order)
 
     def num_tasks(self) -> int:
         return len(self.book.goals)
@@ -538,10 +623,14 @@ class TextCraftFamily:
         pass
 
 
-OPTIONS = {"recipes_dir": "", "max_distractors": MAX_DISTRACTORS}
+OPTIONS = {"recipes_dir": "", "max_distractors": MAX_DISTRACTORS, "recipe_order": "sorted", "agentgym_hashseed": None}
 """Every option this family reads, with its default (documented in the module docstring)."""
 
 
 def make_family(cfg) -> TextCraftFamily:
     opts = read_options(cfg.options, OPTIONS, "textcraft")
-    return TextCraftFamily(str(opts["recipes_dir"]), int(opts["max_distractors"]))
+    seed = opts["agentgym_hashseed"]
+    if seed is not None and (isinstance(seed, bool) or not str(seed).isdigit()):
+        raise ValueError(f"config key 'env.options.agentgym_hashseed': expected a PYTHONHASHSEED value (0..4294967295) or null, got {seed!r}")
+    return TextCraftFamily(str(opts["recipes_dir"]), int(opts["max_distractors"]), str(opts["recipe_order"]),
+                           None if seed is None else int(seed))

@@ -464,7 +464,7 @@ class LearnerService:
             renderer=self.cfg.model.renderer,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                     max_new_tokens=s.max_new_tokens, max_context_tokens=s.max_context_tokens),
-            envs=[EnvEndpoint(name=self.cfg.env.name, url=self.cfg.env.base_url)],
+            envs=[EnvEndpoint(name=self.cfg.env.name, url=self.cfg.env.base_url, flavor=self.cfg.env.client_flavor)],
             transfer_dtype=lc.transfer_dtype, pub_endpoint=tcp_endpoint(lc.host, lc.pub_port),
             weights_endpoint=tcp_endpoint(lc.host, lc.weights_port),
             heartbeat_interval_s=lc.heartbeat_interval_s, policy=self.announcement(),

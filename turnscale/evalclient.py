@@ -33,8 +33,7 @@ class ClientSession:
 
 class ClientPool:
     def __init__(self, env_name: str, url: str, cfg: Any) -> None:
-        options = getattr(cfg.env, "options", {}) or {}
-        self.client = EnvClient(url, flavor=str(options.get("flavor", "turnscale")))
+        self.client = EnvClient(url, flavor=cfg.env.client_flavor)
         self.ids: list[int] = []
 
     async def open(self) -> ClientSession:

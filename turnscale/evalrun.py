@@ -182,28 +182,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, path: str = "/health") -> bool:
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2) as r:
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
 @contextmanager
-def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0) -> Iterator[str]:
-    """Yield the env server URL: ``url`` when given (checked with ``/health``), else a local
-    ``turnscale envhub`` subprocess on a free 127.0.0.1 port, stopped by pid on exit."""
+def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0, flavor: str = "turnscale",
+               options: dict | None = None) -> Iterator[str]:
+    """Yield the env server URL: ``url`` when given (checked with ``GET /health``, or AgentGym's
+    ``GET /`` for another ``flavor``), else a local ``turnscale envhub`` subprocess with the env
+    ``options`` on a free 127.0.0.1 port, stopped by pid on exit."""
     if url:
-        if not _healthy(url):
-            raise EvalRunError(f"env server {url} does not answer GET /health; start it with "
+        probe = "/health" if flavor == "turnscale" else "/"
+        if not _healthy(url, probe):
+            raise EvalRunError(f"env server {url} does not answer GET {probe}; start it with "
                                f"'turnscale envhub env={env_name}' or drop env.url to let eval start one")
         yield url
         return
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    from turnscale.launch import option_overrides
+
+    extra = option_overrides("env.options", dict(options or {}), skip=("flavor",))
     proc = subprocess.Popen([sys.executable, "-m", "turnscale", "envhub", f"env={env_name}", "host=127.0.0.1",
-                             f"port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             f"port={port}", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + start_timeout_s
         while not _healthy(url):
@@ -260,7 +266,8 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     with open(out_jsonl, "w", encoding="utf-8") as sink, ExitStack() as servers:
-        urls = {cfg.env.name: servers.enter_context(env_server(cfg.env.name, cfg.env.url)) for cfg in cfgs}
+        urls = {cfg.env.name: servers.enter_context(env_server(cfg.env.name, cfg.env.url, flavor=cfg.env.client_flavor,
+                                                               options=cfg.env.options)) for cfg in cfgs}
 
         def write(rec: dict) -> None:
             sink.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -54,6 +54,24 @@ def _value(v: Any) -> str:
     raise TypeError(f"cannot pass {type(v).__name__} as an override")
 
 
+def option_overrides(section: str, options: dict[str, Any], skip: Sequence[str] = ()) -> list[str]:
+    """``++<section>.<key>=<value>`` for every leaf of ``options`` (nested dicts flattened),
+    leaving out the top-level keys in ``skip``."""
+    out: list[str] = []
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            out.append(f"++{prefix}={_value(obj)}")
+
+    for k, v in options.items():
+        if k not in skip:
+            walk(f"{section}.{k}", v)
+    return out
+
+
 def child_overrides(cfg: Config, sections: Sequence[str], **changes: Any) -> list[str]:
     """``++key=value`` for every leaf of ``sections`` of ``cfg``, then ``changes``
     (``learner__port=5`` sets ``learner.port``).  Dict-valued fields become one override
@@ -163,10 +181,17 @@ class Launcher:
 
     # 4
     def start_envhub(self) -> str:
+        """The env server's URL: ``env.url`` when set (a server already running, e.g. AgentGym's
+        own with ``env.options.flavor=agentgym``), else a local envhub started with the run's
+        ``env.options``."""
         from protocol.transport import free_port
 
+        if self.cfg.env.url:
+            self.say(f"env server {self.cfg.env.url} ({self.cfg.env.client_flavor}), not started here")
+            return self.cfg.env.url
         port = free_port()
-        child = self.procs.start("envhub", ["envhub", f"env={self.cfg.env.name}", "host=127.0.0.1", f"port={port}"])
+        options = option_overrides("env.options", self.cfg.env.options, skip=("flavor",))
+        child = self.procs.start("envhub", ["envhub", f"env={self.cfg.env.name}", "host=127.0.0.1", f"port={port}", *options])
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(f"{url}/health", 120, child)
         self.say(f"envhub {self.cfg.env.name} at {url} (pid {child.pid})")
@@ -177,7 +202,8 @@ class Launcher:
         out = self.dir / name
         args = ["eval", "--model", f"{model_dir}={name}", "--env", self.cfg.env.name, "--tasks", tasks_file,
                 "--turns", str(rc.eval_turns), "--samples", str(rc.eval_samples), "--out", str(out), "--no-progress",
-                *child_overrides(self.cfg, ["sampling", "engine"], env__url=env_url)]
+                *child_overrides(self.cfg, ["sampling", "engine"], env__url=env_url),
+                *option_overrides("env.options", self.cfg.env.options)]
         self.wait(self.procs.start(name, args), f"evaluation {name}")
         doc = json.loads((out / "eval.json").read_text())
         overall = held_out_success(doc)

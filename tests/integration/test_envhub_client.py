@@ -246,7 +246,7 @@ def test_expert_action_over_http_solves_babyai_tasks():
     pytest.importorskip("minigrid")
     from tests.envhub_proc import envhub_server
 
-    with envhub_server("babyai") as url:
+    with envhub_server("babyai", **{"env.options.text": "clean"}) as url:  # the oracle speaks the clean text
 
         async def main():
             async with EnvClient(url) as c:

@@ -17,6 +17,7 @@ from turnscale.evalclient import ClientPool
 class _Cfg:
     class env:  # noqa: N801 (a stand-in for conf.schema.Config.env)
         options: dict = {}
+        client_flavor = "turnscale"
 
 
 def test_client_sessions_reset_and_step_a_real_babyai_server():

@@ -358,7 +358,7 @@ def test_env_server_restart_fails_broken_groups_reissues_them_and_training_conti
     c = cluster_factory()
     try:
         c.start_envhub()
-        status, probe = post(c.env_url + "/create", {})
+        status, probe = post(c.env_url + "/v1/create", {})
         assert status == 200
         learner = c.start_learner()
         c.start_actor("a1")
@@ -393,7 +393,7 @@ def test_env_server_restart_fails_broken_groups_reissues_them_and_training_conti
         assert sum(m.get("rollout/dropped/failed", 0) for m in metrics) >= 1
         assert max(m.get("actors/env_instances_replaced", 0) for m in metrics) >= 1
         # an instance id of the old server does not name some other client's new instance
-        status, _ = post(c.env_url + "/reset", {"id": probe["id"], "data_idx": 0})
+        status, _ = post(c.env_url + "/v1/reset", {"id": probe["id"], "data_idx": 0})
         assert status == 404
     except BaseException:
         c.dump()

@@ -95,7 +95,11 @@ def make_actor(cfg, env_client, engine):
     actor_cfg.learner_port = cfg.learner.port
     actor_cfg.request_timeout_s = 2.0
     actor_cfg.reconnect_max_backoff_s = 0.5
-    actor = Actor(cfg=actor_cfg, deps=ActorDeps(make_runtime=make_runtime, pull=fake_pull, make_env_client=lambda url: env_client,
+    def make_env_client(url, flavor):
+        env_client.made_with = (url, flavor)
+        return env_client
+
+    actor = Actor(cfg=actor_cfg, deps=ActorDeps(make_runtime=make_runtime, pull=fake_pull, make_env_client=make_env_client,
                                                 new_buffer=Buffer),
                   engine_name="fake")
     return actor
@@ -130,6 +134,26 @@ def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
     assert len(env.closed) == len(env.created)  # all closed at exit (the broken one at once)
     assert actor.pools["babyai"].replaced >= 1  # the instance that errored (plus any cancelled at shutdown)
     assert actor.stop_reason.startswith("learner shutdown")
+
+
+def test_actor_env_client_speaks_the_flavor_the_learner_announces():
+    """``env.options.flavor=agentgym`` on the learner reaches the actor's env client (through
+    ``Welcome.envs``), so actors play on AgentGym's own servers."""
+    cfg = make_cfg(**{"learner.steps": 1, "learner.max_staleness": 1, "++env.options.flavor": "agentgym", "env.url": "http://127.0.0.1:36001"})
+    svc = LearnerService(cfg, ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.5, 0.2
+    env = FakeEnvClient()
+    actor = make_actor(cfg, env, ChecksumEngine(size=SIZE))
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                assert await actor.run() == 0
+
+    trio.run(main)
+    assert env.made_with == ("http://127.0.0.1:36001", "agentgym")
 
 
 def test_actor_survives_learner_restart():

@@ -112,3 +112,53 @@ def test_concurrent_resets_leave_stdout_alone():
     for t in threads:
         t.join(timeout=60)
     assert sys.stdout is before
+
+
+# -- AgentGym's text (the default) ------------------------------------------------------------
+AGENTGYM_FIRST_OBSERVATIONS = {
+    3: "Your goal: go to the blue key\nIn front of you in this room, you can see several objects: There is a blue key 1 1 steps in front of you and 1 steps to your right.  The room has walls around you. You are facing a wall 2 steps away. You are not carrying anything.\nAvailable actions: [\"turn left\", \"turn right\", \"move forward\", \"pickup blue key 1\", \"go to blue key 1\", \"check available actions\"]",
+    27: "Your goal: pick up the box\nIn front of you in this room, you can see several objects: The room has walls around you. You are facing a wall 3 steps away. You are not carrying anything.\nAvailable actions: [\"turn left\", \"turn right\", \"move forward\", \"check available actions\"]",
+    38: "Your goal: put the red box next to a grey door and open a purple door and pick up a key and go to the yellow box\nIn front of you in this room, you can see several objects: There is a red key 1 0 steps in front of you and 2 steps to your right.  The room has walls around you. You are facing a wall 2 steps away. You are not carrying anything.\nAvailable actions: [\"turn left\", \"turn right\", \"move forward\", \"pickup red key 1\", \"go to red key 1\", \"check available actions\"]",
+}
+"""First observations of ``agentenv-babyai``'s ``BabyAIEnv.reset(id, data_idx)`` (WooooDyy/AgentGym
+3ef9235, ``agentenv-babyai/agentenv_babyai/environment.py``), run with minigrid 3.2 and
+``BabyAI-GoToObjS6-v0`` registered as minigrid < 2.4 did: GoToObjS6-v0 (id 3), a view with
+walls only (27), a BossLevel mission with "and" rewrites (38)."""
+
+
+@pytest.mark.parametrize("data_idx", sorted(AGENTGYM_FIRST_OBSERVATIONS))
+def test_agentgym_text_first_observation_is_byte_identical(data_idx):
+    from envhub.babyai import BabyAIFamily
+
+    assert BabyAIFamily().create().reset(data_idx).observation == AGENTGYM_FIRST_OBSERVATIONS[data_idx]
+
+
+def test_goto_obj_s6_v0_is_the_room_size_4_level_agentgym_builds():
+    env = BabyAIEnv()
+    env.reset(3)
+    assert env.level == "BabyAI-GoToObjS6-v0" and env.unwrapped.room_size == 4
+
+
+def test_agentgym_text_steps_with_its_action_map_and_messages():
+    from envhub.babyai import BabyAIFamily
+
+    env = BabyAIFamily(text="agentgym").create()
+    env.reset(3)
+    out = env.step("Go To Blue Key 1 ")  # AgentGym lower-cases and strips
+    assert out.done and out.info["success"] and out.observation.split("\n")[1] == " The task is completed."
+    env.reset(3)
+    assert env.step("fly").observation.startswith("The action is not recognized. Please check valid actions.\nAvailable actions: [")
+    assert env.step("").observation.startswith("No change in state.")
+    assert env.step("check available actions").observation.startswith("You can take the following actions: turn left, turn right")
+
+
+def test_clean_text_is_an_option_and_unknown_texts_are_refused():
+    from conf.schema import EnvConfig
+    from envhub.babyai import make_family
+
+    clean = make_family(EnvConfig(name="babyai", options={"text": "clean"})).create()
+    obs = clean.reset(27).observation
+    assert obs != AGENTGYM_FIRST_OBSERVATIONS[27] and "You cannot see any objects within sight." in obs
+    assert make_family(EnvConfig(name="babyai")).create().expert_action is None  # the oracle speaks the clean text
+    with pytest.raises(ValueError, match="env.options.text"):
+        make_family(EnvConfig(name="babyai", options={"text": "fancy"}))

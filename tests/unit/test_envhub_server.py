@@ -70,34 +70,34 @@ def client():
 
 
 def test_internal_failure_is_500_without_trace_then_instance_is_broken(client):
-    i = client.post("/create").json()["id"]
-    client.post("/reset", json={"id": i, "data_idx": 0})
-    r = client.post("/step", json={"id": i, "action": "explode"})
+    i = client.post("/v1/create").json()["id"]
+    client.post("/v1/reset", json={"id": i, "data_idx": 0})
+    r = client.post("/v1/step", json={"id": i, "action": "explode"})
     assert r.status_code == 500 and r.json()["error"]["code"] == "env_error"
     assert "Traceback" not in r.text and "secret internal detail" not in r.text
-    for path, body in (("/step", {"id": i, "action": "x"}), ("/reset", {"id": i, "data_idx": 1})):
+    for path, body in (("/v1/step", {"id": i, "action": "x"}), ("/v1/reset", {"id": i, "data_idx": 1})):
         r = client.post(path, json=body)
         assert r.status_code == 410 and "close it" in r.json()["error"]["message"]
-    assert client.post("/close", json={"id": i}).json() is True
-    assert client.post("/step", json={"id": i, "action": "x"}).status_code == 404
+    assert client.post("/v1/close", json={"id": i}).json() is True
+    assert client.post("/v1/step", json={"id": i, "action": "x"}).status_code == 404
 
 
 def test_busy_env_is_503_with_retry_after_and_the_instance_stays_usable(client):
-    i = client.post("/create").json()["id"]
-    client.post("/reset", json={"id": i, "data_idx": 0})
-    r = client.post("/step", json={"id": i, "action": "wait"})
+    i = client.post("/v1/create").json()["id"]
+    client.post("/v1/reset", json={"id": i, "data_idx": 0})
+    r = client.post("/v1/step", json={"id": i, "action": "wait"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "busy" and r.headers["Retry-After"] == "5"
     assert "saturated" in r.json()["error"]["message"] and "Traceback" not in r.text
     with pytest.raises(EnvBusyError, match="HTTP 503 busy"):  # what our client makes of it
         client_decode(r.status_code, r.content, "/step")
-    assert client.post("/step", json={"id": i, "action": "go"}).json()["observation"] == "0:1:go"  # episode intact
-    r = client.post("/reset", json={"id": i, "data_idx": 9})
+    assert client.post("/v1/step", json={"id": i, "action": "go"}).json()["observation"] == "0:1:go"  # episode intact
+    r = client.post("/v1/reset", json={"id": i, "data_idx": 9})
     assert r.status_code == 503 and "raise fake.workers" in r.json()["error"]["message"]
     # the old episode was given up: no step until a reset succeeds, which it then does
-    assert client.post("/step", json={"id": i, "action": "go"}).status_code == 409
-    assert client.post("/reset", json={"id": i, "data_idx": 1}).status_code == 200
-    assert client.post("/step", json={"id": i, "action": "go"}).json()["observation"] == "1:1:go"
-    assert client.get("/metrics").json()["errors"]["busy"] == 2
+    assert client.post("/v1/step", json={"id": i, "action": "go"}).status_code == 409
+    assert client.post("/v1/reset", json={"id": i, "data_idx": 1}).status_code == 200
+    assert client.post("/v1/step", json={"id": i, "action": "go"}).json()["observation"] == "1:1:go"
+    assert client.get("/v1/metrics").json()["errors"]["busy"] == 2
 
 
 def test_searchqa_shape_env_idx_names_instance_and_id_names_task(client):
@@ -110,16 +110,16 @@ def test_searchqa_shape_env_idx_names_instance_and_id_names_task(client):
 
 
 def test_step_reply_keeps_agentgym_fields(client):
-    i = client.post("/create").json()["id"]
-    client.post("/reset", json={"id": i, "data_idx": 2})
-    r = client.post("/step", json={"id": i, "action": "finish"}).json()
+    i = client.post("/v1/create").json()["id"]
+    client.post("/v1/reset", json={"id": i, "data_idx": 2})
+    r = client.post("/v1/step", json={"id": i, "action": "finish"}).json()
     assert r == {"score": 1.0, "observation": "2:1:finish", "reward": 1.0, "done": True, "truncated": False, "info": {"success": True}}
-    assert client.get(f"/observation?id={i}").json() == "2:1"
+    assert client.get(f"/v1/observation?id={i}").json() == "2:1"
 
 
 def test_validation_errors_use_our_shape_not_fastapis(client):
     for body in (b"{", b"[1]", b'"x"', b"", b'{"id": "abc", "action": "x"}', b'{"id": true, "action": "x"}', b'{"id": 0}', b'{"action": "x"}', b'{"id": 0, "action": 5}', b'{"id": -1, "action": "x"}'):
-        r = client.post("/step", content=body, headers={"content-type": "application/json"})
+        r = client.post("/v1/step", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422, body
         err = r.json()["error"]
         assert set(err) == {"code", "message"} and err["message"]
@@ -128,7 +128,7 @@ def test_validation_errors_use_our_shape_not_fastapis(client):
 def test_unknown_route_and_method_are_json_errors(client):
     r = client.get("/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "no_route"
-    r = client.get("/step")
+    r = client.get("/v1/step")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
@@ -146,9 +146,9 @@ def test_misspelled_env_key_is_still_refused():
 
 
 def test_env_without_expert_answers_501(client):
-    i = client.post("/create").json()["id"]
-    client.post("/reset", json={"id": i, "data_idx": 0})
-    r = client.get(f"/expert?id={i}")
+    i = client.post("/v1/create").json()["id"]
+    client.post("/v1/reset", json={"id": i, "data_idx": 0})
+    r = client.get(f"/v1/expert?id={i}")
     assert r.status_code == 501 and r.json()["error"]["code"] == "no_expert"
 
 
@@ -157,14 +157,14 @@ def test_server_step_cap_truncates_episode():
         max_env_steps = 2
 
     with TestClient(create_app(FakeFamily(), Capped()), raise_server_exceptions=False) as c:
-        i = c.post("/create").json()["id"]
-        c.post("/reset", json={"id": i, "data_idx": 0})
-        assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
-        r = c.post("/step", json={"id": i, "action": "a"}).json()
+        i = c.post("/v1/create").json()["id"]
+        c.post("/v1/reset", json={"id": i, "data_idx": 0})
+        assert c.post("/v1/step", json={"id": i, "action": "a"}).json()["done"] is False
+        r = c.post("/v1/step", json={"id": i, "action": "a"}).json()
         assert r["done"] is True and r["truncated"] is True and r["info"]["success"] is False
-        assert c.post("/step", json={"id": i, "action": "a"}).status_code == 409
-        c.post("/reset", json={"id": i, "data_idx": 1})  # a new episode gets a fresh budget
-        assert c.post("/step", json={"id": i, "action": "a"}).json()["done"] is False
+        assert c.post("/v1/step", json={"id": i, "action": "a"}).status_code == 409
+        c.post("/v1/reset", json={"id": i, "data_idx": 1})  # a new episode gets a fresh budget
+        assert c.post("/v1/step", json={"id": i, "action": "a"}).json()["done"] is False
 
 
 def test_concurrent_creates_respect_the_instance_limit():
@@ -210,8 +210,51 @@ def test_a_restarted_server_does_not_reuse_its_predecessors_instance_ids():
 
 
 def test_env_without_action_hints_answers_501(client):
+    i = client.post("/v1/create").json()["id"]
+    client.post("/v1/reset", json={"id": i, "data_idx": 0})
+    r = client.get(f"/v1/action_hint?id={i}")
+    assert r.status_code == 501 and r.json()["error"]["code"] == "no_action_hint"
+    assert client.get("/v1/action_hint").status_code == 422
+
+
+# -- AgentGym's face (the root): their clients assert HTTP 200 and read fields ----------------
+def test_agentgym_face_answers_env_errors_with_200_and_an_error_field(client):
+    """AgentGym's servers answer 200 + {"error": ...} for a bad id or a finished episode; the
+    same calls on /v1 keep their status codes."""
+    i = client.post("/create").json()["id"]
+    r = client.post("/step", json={"id": i, "action": "x"})
+    assert r.status_code == 200 and r.json()["error_code"] == "not_reset" and "POST /reset" in r.json()["error"]
+    client.post("/reset", json={"id": i, "data_idx": 0})
+    client.post("/step", json={"id": i, "action": "finish"})
+    r = client.post("/step", json={"id": i, "action": "x"})
+    assert r.status_code == 200 and r.json()["error_code"] == "episode_done" and "observation" not in r.json()
+    assert client.post("/v1/step", json={"id": i, "action": "x"}).status_code == 409
+    r = client.post("/step", json={"id": 10**9, "action": "x"})
+    assert r.status_code == 200 and r.json()["error_code"] == "not_found"
+    assert client.post("/close", json={"id": 10**9}).json() is False  # theirs: false, not an error
+    assert client.post("/v1/close", json={"id": 10**9}).status_code == 404
+    assert client.post("/step", content=b"{", headers={"content-type": "application/json"}).status_code == 422
+
+
+def test_agentgym_face_env_failure_is_200_error_without_trace(client):
     i = client.post("/create").json()["id"]
     client.post("/reset", json={"id": i, "data_idx": 0})
-    r = client.get(f"/action_hint?id={i}")
-    assert r.status_code == 501 and r.json()["error"]["code"] == "no_action_hint"
-    assert client.get("/action_hint").status_code == 422
+    r = client.post("/step", json={"id": i, "action": "explode"})
+    assert r.status_code == 200 and r.json()["error_code"] == "env_error" and "secret internal detail" not in r.text
+
+
+def test_agentgym_error_bodies_become_typed_client_errors(client):
+    from envhub.client import EnvNotFound
+
+    r = client.post("/step", json={"id": 10**9, "action": "x"})
+    with pytest.raises(EnvNotFound, match="not_found"):
+        client_decode(r.status_code, r.content, "/step")
+
+
+def test_extra_agentgym_routes_are_404_for_families_without_them(client):
+    i = client.post("/create").json()["id"]
+    client.post("/reset", json={"id": i, "data_idx": 0})
+    for path in ("/commands", "/goals", "/detail", "/state"):
+        r = client.get(f"{path}?id={i}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "no_route", path
+    assert client.get(f"/v1/commands?id={i}").status_code == 404

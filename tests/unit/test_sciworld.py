@@ -149,3 +149,19 @@ def test_hints_list_valid_actions(family):
     hint = env.action_hint()
     assert "open OBJ" in hint["possible_actions"] and hint["possible_objects"]
     env.close()
+
+
+def test_agentgym_reset_text_is_the_room_alone_and_extra_routes_answer(family):
+    """AgentGym's SciworldEnvClient shows ``task_description + "\\n" + observation``: its server's
+    reset observation is the room alone (ours keeps the description in ``observation``)."""
+    env = family.create()
+    r = env.reset(0)
+    desc, room = r.extra["task_description"], r.extra["observation"]
+    assert r.observation == f"{desc}\n{room}" and desc not in room
+    assert env.agentgym_task_description() == {"task_description": desc}
+    assert isinstance(env.agentgym_goals()["goals"], str) and env.agentgym_goals()["goals"]
+    assert isinstance(env.agentgym_object_tree()["object_tree"], str)
+    state = env.agentgym_state()
+    assert state["task_description"] == desc and 0 < len(state["possible_actions"]) <= 10
+    assert env.agentgym_detail()["task_name"] == "boil"
+    env.close()

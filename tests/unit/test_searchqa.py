@@ -208,3 +208,21 @@ def test_tag_parsing_reads_each_character_a_bounded_number_of_times():
         searchqa.last_answer(bomb)
         assert sum(scanned) <= 6 * len(bomb), (n, sum(scanned))
     assert isinstance(searchqa._OPEN, re.Pattern) and "?" not in searchqa._OPEN.pattern  # the only regex: no lazy/backtracking part
+
+
+def test_wrong_answer_retry_keeps_the_episode_open_as_agentgym(family, questions):
+    retry = SearchQAFamily(family.retriever, family.items, wrong_answer="retry").create()
+    retry.reset(5)
+    s = retry.step("<answer>Atlantis</answer>")
+    assert (s.reward, s.done, s.observation) == (0.0, False, "Sorry, your answer is incorrect. Please try again.")
+    s = retry.step(f"<answer>{questions[5]['golden_answers'][0]}</answer>")
+    assert (s.reward, s.done, s.info["success"]) == (1.0, True, True)
+    with pytest.raises(ValueError, match="wrong_answer"):
+        SearchQAFamily(family.retriever, family.items, wrong_answer="maybe")
+
+
+def test_first_observation_is_agentgyms_prompt_with_the_question_stripped(family):
+    env = family.create()
+    item = family.items[3]
+    obs = env.reset(3).observation
+    assert obs.startswith("You must reason inside <think>...</think> first.") and obs.endswith(f"\n\n Question: {item.question.strip()}")

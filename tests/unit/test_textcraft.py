@@ -171,3 +171,55 @@ def test_depth_split_mixes_depths_like_agentgyms_test_set(book):
     assert len(test) == 100 and not set(train) & set(test) and len(train) + len(test) == 544
     assert collections.Counter(book.goals[i][1] for i in test) == {1: 31, 2: 41, 3: 25, 4: 3}
     assert depth_split(book.goals) == (train, test)
+
+
+# -- AgentGym's first observation: generator re-seeded with 42 at every reset; set order --------
+def test_ids_with_the_same_goal_get_the_same_commands_as_agentgym_reseeds_42_every_reset(book):
+    fam = TextCraftFamily()
+    env = fam.create()
+    n = len(book.goals)
+    for i in (0, 130, 420, 540):
+        assert env.reset(i).observation == env.reset(i + n).observation == env.reset(i + 7 * n).observation
+
+
+def _first_observations(hashseed_env: str, option: str) -> str:
+    code = (
+        "import json\nfrom envhub.textcraft import TextCraftFamily\n"
+        f"f = TextCraftFamily(agentgym_hashseed={option})\ne = f.create()\n"
+        "print(json.dumps([e.reset(i).observation for i in (125, 300, 416, 533)]))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": hashseed_env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True).stdout
+
+
+def test_default_command_order_does_not_depend_on_the_servers_own_hash_seed():
+    assert _first_observations("1", "None") == _first_observations("2", "None")
+
+
+def test_agentgym_hashseed_pins_the_set_order_whatever_the_servers_own_hash_seed():
+    a, b = _first_observations("1", "0"), _first_observations("2", "0")
+    assert a == b
+    assert a != _first_observations("1", "7")  # another seed: another order (these goals have many commands)
+    goals = [o.rsplit("Goal:", 1)[1] for o in json.loads(a)]
+    assert goals == [o.rsplit("Goal:", 1)[1] for o in json.loads(_first_observations("1", "7"))]
+
+
+def test_listing_file_sets_the_recipe_load_order(tmp_path):
+    names = sorted(n for n in os.listdir(default_recipes_dir()) if n.endswith(".json"))
+    listing = tmp_path / "listing.txt"
+    listing.write_text("\n".join(reversed(names)) + "\n")
+    rev = RecipeBook(order=str(listing))
+    assert rev.goals != RecipeBook().goals  # goal order (and which recipe of a cycle is kept) follow load order
+    listing.write_text("\n".join(names[1:]) + "\n")
+    with pytest.raises(ValueError, match="does not name exactly"):
+        RecipeBook(order=str(listing))
+
+
+def test_custom_task_from_create_body_sets_goal_and_commands(book):
+    env = TextCraftFamily().create()
+    env.reset(0)
+    obs = env.agentgym_custom_task("craft 1 stick using 2 planks", "minecraft:stick")
+    assert obs == "Crafting commands:\ncraft 1 stick using 2 planks\n\nGoal: craft stick."
+    assert env.agentgym_goal() == "stick" and env.agentgym_commands() == "craft 1 stick using 2 planks"
+    with pytest.raises(ValueError, match="non-empty strings"):
+        env.agentgym_custom_task(None, "stick")
