@@ -3,7 +3,8 @@
 ``factory(cfg: conf.schema.EnvConfig) -> envhub.base.EnvFamily``.  When
 ``cfg.options`` holds ``sim_latency`` the family is wrapped in the simulated long-tail
 workload of ``envhub.simwork`` (benchmarks only; off by default).  Client-side keys
-(``CLIENT_OPTIONS``: ``flavor``, which server the env *client* talks to) are not the family's
+(``CLIENT_OPTIONS``: ``flavor``, which server the env *client* talks to) and server-wide
+keys (``SERVER_OPTIONS``: ``server_threads``, read by ``envhub.main``) are not the family's
 and are removed before it reads its options.
 """
 
@@ -23,11 +24,14 @@ FAMILIES: dict[str, str] = {
 
 CLIENT_OPTIONS = ("flavor",)
 """``env.options`` keys read by env clients (``envhub.client.EnvClient``), not by families."""
+SERVER_OPTIONS = ("server_threads",)
+"""``env.options`` keys read by the server process (``envhub.main``), not by families."""
 
 
 def make_family(cfg):
-    if any(k in cfg.options for k in CLIENT_OPTIONS):
-        cfg = dataclasses.replace(cfg, options={k: v for k, v in cfg.options.items() if k not in CLIENT_OPTIONS})
+    foreign = (*CLIENT_OPTIONS, *SERVER_OPTIONS)
+    if any(k in cfg.options for k in foreign):
+        cfg = dataclasses.replace(cfg, options={k: v for k, v in cfg.options.items() if k not in foreign})
     if cfg.name not in FAMILIES:
         raise ValueError(f"config key 'env.name': unknown env {cfg.name!r}; choose one of {sorted(FAMILIES)}")
     from envhub.simwork import split_options, wrap

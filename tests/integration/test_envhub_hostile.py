@@ -106,14 +106,14 @@ class GoodClient:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                s, body, _ = call(self.port, "POST", "/create", {}, headers=self.headers)
+                s, body, _ = call(self.port, "POST", "/v1/create", {}, headers=self.headers)
                 assert s == 200, (s, body)
                 i = body["id"]
-                s, body, _ = call(self.port, "POST", "/reset", {"id": i, "data_idx": self.ok % 7})
+                s, body, _ = call(self.port, "POST", "/v1/reset", {"id": i, "data_idx": self.ok % 7})
                 assert s == 200, (s, body)
-                s, body, _ = call(self.port, "POST", "/step", {"id": i, "action": self.action})
+                s, body, _ = call(self.port, "POST", "/v1/step", {"id": i, "action": self.action})
                 assert s == 200, (s, body)
-                s, body, _ = call(self.port, "POST", "/close", {"id": i})
+                s, body, _ = call(self.port, "POST", "/v1/close", {"id": i})
                 assert s == 200, (s, body)
                 self.ok += 1
             except Exception as exc:  # noqa: BLE001 - recorded and asserted on
@@ -170,10 +170,10 @@ def recv_all(s: socket.socket, timeout: float) -> bytes:
 
 
 def new_instance(port: int, data_idx: int = 0, token: str = "") -> int:
-    s, body, _ = call(port, "POST", "/create", {}, headers={"X-Envhub-Client": token} if token else None)
+    s, body, _ = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": token} if token else None)
     assert s == 200, body
     i = body["id"]
-    s, body, _ = call(port, "POST", "/reset", {"id": i, "data_idx": data_idx}, timeout=60)
+    s, body, _ = call(port, "POST", "/v1/reset", {"id": i, "data_idx": data_idx}, timeout=60)
     assert s == 200, body
     return i
 
@@ -192,7 +192,7 @@ LIMITS = {
 
 @pytest.fixture(scope="module")
 def babyai() -> Iterator[Server]:
-    server = Server("babyai", LIMITS)
+    server = Server("babyai", {**LIMITS, "options.text": "clean"})  # the oracle (/expert) speaks the clean text
     try:
         yield server
     finally:
@@ -205,15 +205,15 @@ def test_expert_call_where_minigrids_bot_loops_answers_within_the_deadline(babya
     with GoodClient(babyai.port):
         i = new_instance(babyai.port, 1948)
         t0 = time.monotonic()
-        s, body, _ = call(babyai.port, "GET", f"/expert?id={i}", timeout=40)
+        s, body, _ = call(babyai.port, "GET", f"/v1/expert?id={i}", timeout=40)
         took = time.monotonic() - t0
         assert s in (200, 504), body
         if s == 200:  # the bounded oracle gave up on the bot and its script answered
             assert isinstance(body["action"], str) and body["action"]
-            assert call(babyai.port, "GET", f"/observation?id={i}")[0] == 200
+            assert call(babyai.port, "GET", f"/v1/observation?id={i}")[0] == 200
         else:
             assert body["error"]["code"] == "deadline_exceeded"
-        assert call(babyai.port, "POST", "/close", {"id": i}, timeout=10)[:2] == (200, True)
+        assert call(babyai.port, "POST", "/v1/close", {"id": i}, timeout=10)[:2] == (200, True)
     assert healthy(babyai.port)
     print(f"\n[memory] expert on task 1948: server RSS {rss0:.1f} -> {babyai.rss_mb():.1f} MB ({took:.2f} s, status {s})")
     assert babyai.rss_mb() - rss0 < 64
@@ -235,7 +235,7 @@ def test_content_length_over_the_limit_is_refused_before_the_body_is_read(babyai
 def test_a_client_that_writes_its_whole_oversized_body_before_reading_gets_the_413(babyai):
     big = json.dumps({"id": 1, "action": "x" * (8 << 20)}).encode()
     for _ in range(5):
-        s, body, _ = call(babyai.port, "POST", "/step", raw=big)  # http.client sends it all, then reads
+        s, body, _ = call(babyai.port, "POST", "/v1/step", raw=big)  # http.client sends it all, then reads
         assert s == 413 and body["error"]["code"] == "body_too_large", (s, body)
     assert healthy(babyai.port)
 
@@ -294,7 +294,7 @@ def test_a_body_that_never_finishes_gets_408_after_the_body_timeout(babyai):
 def test_deeply_nested_json_is_422_without_a_traceback(babyai):
     log0 = len(babyai.log())
     for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b'{"id": ' + b"[" * 40 + b"]" * 40 + b"}"):
-        s, body, _ = call(babyai.port, "POST", "/step", raw=raw)
+        s, body, _ = call(babyai.port, "POST", "/v1/step", raw=raw)
         assert s == 422 and body["error"]["code"] == "too_deep", (s, body)
     assert "Traceback" not in babyai.log()[log0:]
     assert healthy(babyai.port)
@@ -330,13 +330,13 @@ def test_lone_surrogates_are_refused_at_the_door_and_the_instance_stays_usable()
     try:
         i = new_instance(server.port, 0)
         raw = json.dumps({"id": i, "action": "craft 1 \ud800stick using 1 planks"}).encode()  # ascii-escaped lone surrogate
-        s, body, _ = call(server.port, "POST", "/step", raw=raw)
+        s, body, _ = call(server.port, "POST", "/v1/step", raw=raw)
         assert s == 422 and body["error"]["code"] == "invalid_text" and "U+D800" in body["error"]["message"], (s, body)
-        s, body, _ = call(server.port, "GET", f"/observation?id={i}")
+        s, body, _ = call(server.port, "GET", f"/v1/observation?id={i}")
         assert s == 200 and isinstance(body, str)
-        s, body, _ = call(server.port, "POST", "/step", {"id": i, "action": "inventory"})
+        s, body, _ = call(server.port, "POST", "/v1/step", {"id": i, "action": "inventory"})
         assert s == 200 and isinstance(body["observation"], str)
-        s, body, _ = call(server.port, "POST", "/step", {"id": i, "action": "get 1 \u00e9t\u00e9 \U0001F600"})  # valid non-ASCII passes
+        s, body, _ = call(server.port, "POST", "/v1/step", {"id": i, "action": "get 1 \u00e9t\u00e9 \U0001F600"})  # valid non-ASCII passes
         assert s == 200, body
         assert healthy(server.port)
     finally:
@@ -351,11 +351,11 @@ def test_instance_ids_are_unguessable_json_integers(babyai):
         assert min(gaps) > 2**20, ids  # not a counter
         for i in ids:
             for guess in (i - 1, i + 1):
-                s, body, _ = call(babyai.port, "POST", "/step", {"id": guess, "action": "turn left"})
+                s, body, _ = call(babyai.port, "POST", "/v1/step", {"id": guess, "action": "turn left"})
                 assert s == 404, (guess, s, body)
     finally:
         for i in ids:
-            call(babyai.port, "POST", "/close", {"id": i})
+            call(babyai.port, "POST", "/v1/close", {"id": i})
 
 
 def test_per_client_quota_and_instance_limit_answer_429_with_retry_after_counted_once(babyai):
@@ -364,25 +364,25 @@ def test_per_client_quota_and_instance_limit_answer_429_with_retry_after_counted
     try:
         for token in ("a", "b"):
             for _ in range(3):
-                s, body, _ = call(port, "POST", "/create", {}, headers={"X-Envhub-Client": token})
+                s, body, _ = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": token})
                 assert s == 200, body
                 held.append(body["id"])
             before = metrics(port)["errors"].get("client_quota", 0)
-            s, body, hdrs = call(port, "POST", "/create", {}, headers={"X-Envhub-Client": token})
+            s, body, hdrs = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": token})
             assert s == 429 and body["error"]["code"] == "client_quota" and int(hdrs["retry-after"]) > 0, (s, body, hdrs)
             assert metrics(port)["errors"]["client_quota"] == before + 1
         for _ in range(2):  # the server-wide limit (8) comes before this client's quota
-            s, body, _ = call(port, "POST", "/create", {}, headers={"X-Envhub-Client": "c"})
+            s, body, _ = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": "c"})
             assert s == 200, body
             held.append(body["id"])
         before = metrics(port)["errors"].get("too_many_instances", 0)
-        s, body, hdrs = call(port, "POST", "/create", {}, headers={"X-Envhub-Client": "c"})
+        s, body, hdrs = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": "c"})
         assert s == 429 and body["error"]["code"] == "too_many_instances" and int(hdrs["retry-after"]) > 0, (s, body, hdrs)
         assert metrics(port)["errors"]["too_many_instances"] == before + 1
     finally:
         for i in held:
-            call(port, "POST", "/close", {"id": i})
-    assert call(port, "POST", "/create", {}, headers={"X-Envhub-Client": "a"})[0] == 200  # closing freed the quota
+            call(port, "POST", "/v1/close", {"id": i})
+    assert call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": "a"})[0] == 200  # closing freed the quota
     assert metrics(port)["instances"] == 1
 
 
@@ -425,7 +425,7 @@ def test_searchqa_action_of_repeated_search_tags_does_not_stall_the_server():
         replies: list = []
 
         def bomb(i: int, action: str) -> None:
-            replies.append(call(server.port, "POST", "/step", {"env_idx": i, "action": action}, timeout=60)[0])
+            replies.append(call(server.port, "POST", "/v1/step", {"env_idx": i, "action": action}, timeout=60)[0])
 
         threads = [threading.Thread(target=bomb, args=(new_instance(server.port, n), bombs[n % 2])) for n in range(4)]
         for t in threads:
@@ -453,21 +453,21 @@ def test_env_calls_past_the_deadline_break_only_their_instance_and_shutdown_stay
         stuck = [new_instance(port, n) for n in range(3)]
         other = new_instance(port, 5)
         t0 = time.monotonic()
-        s, body, _ = call(port, "POST", "/step", {"id": stuck[0], "action": "turn left"}, timeout=30)
+        s, body, _ = call(port, "POST", "/v1/step", {"id": stuck[0], "action": "turn left"}, timeout=30)
         assert s == 504 and body["error"]["code"] == "deadline_exceeded", body
         assert time.monotonic() - t0 < 30
         # the instance is gone at once: its lock is free, its id answers 410, close stays idempotent
-        assert call(port, "GET", f"/observation?id={stuck[0]}", timeout=10)[0] == 410
-        assert call(port, "POST", "/close", {"id": stuck[0]}, timeout=10)[:2] == (200, True)
+        assert call(port, "GET", f"/v1/observation?id={stuck[0]}", timeout=10)[0] == 410
+        assert call(port, "POST", "/v1/close", {"id": stuck[0]}, timeout=10)[:2] == (200, True)
         # other instances and calls keep working (resets do not sleep)
-        assert call(port, "POST", "/reset", {"id": other, "data_idx": 6}, timeout=10)[0] == 200
-        assert call(port, "GET", f"/observation?id={other}", timeout=10)[0] == 200
+        assert call(port, "POST", "/v1/reset", {"id": other, "data_idx": 6}, timeout=10)[0] == 200
+        assert call(port, "GET", f"/v1/observation?id={other}", timeout=10)[0] == 200
         assert healthy(port)
-        assert call(port, "POST", "/step", {"id": stuck[1], "action": "turn left"}, timeout=30)[0] == 504
+        assert call(port, "POST", "/v1/step", {"id": stuck[1], "action": "turn left"}, timeout=30)[0] == 504
         # two abandoned calls still sleep: the pool is exhausted, and says so
         s, body, _ = call(port, "GET", "/health", timeout=10)
         assert s == 503 and body["status"] == "unhealthy" and "overran" in body["reason"], body
-        s, body, hdrs = call(port, "POST", "/reset", {"id": other, "data_idx": 7}, timeout=10)
+        s, body, hdrs = call(port, "POST", "/v1/reset", {"id": other, "data_idx": 7}, timeout=10)
         assert s == 503 and body["error"]["code"] == "workers_exhausted" and "retry-after" in hdrs, body
         assert metrics(port)["timed_out"] == 2
         t0 = time.monotonic()
