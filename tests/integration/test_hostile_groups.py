@@ -22,6 +22,7 @@ import zmq
 from protocol import codec
 from protocol.messages import GroupAck, Hello, LeaseGrant, LeaseRequest, TrajectoryGroup, Welcome
 from protocol.transport import AsyncSocket, Requester, configure, free_port
+from tests.integration.test_failures import rss_mb
 from tests.unit.fakes import make_episode
 from turnscale.procs import ProcessGroup
 
@@ -143,14 +144,6 @@ def test_learner_drops_each_semantically_bad_group_as_invalid_and_keeps_training
         procs.close(grace_s=8)
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_take(tmp_path, tiny_model_dir):
@@ -208,12 +201,12 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
             real_group = replace(forged, actor_id="real")
             out["real_group"] = await ask(real, real_group)
             # huge ids (512 KB, under the 1 MiB frame limit): refused, never stored, logs bounded
-            rss0, log0 = _rss_mb(learner.pid), learner.log_path.stat().st_size
+            rss0, log0 = rss_mb(learner.pid), learner.log_path.stat().st_size
             for i in range(100):
                 r = await ask(conn(), hello(f"{i}-" + "x" * (1 << 19), "t"))
                 assert not isinstance(r, Welcome)
             out["huge_id_reply"] = r
-            out["huge_ids"] = (rss0, _rss_mb(learner.pid), learner.log_path.stat().st_size - log0)
+            out["huge_ids"] = (rss0, rss_mb(learner.pid), learner.log_path.stat().st_size - log0)
             # a frame over the limit: ZeroMQ drops that connection before the learner sees it
             dropped = conn()
             try:

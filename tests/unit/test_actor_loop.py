@@ -105,6 +105,19 @@ def make_actor(cfg, env_client, engine):
     return actor
 
 
+def run_to_shutdown(svc, actor, timeout_s: float = 60) -> None:
+    """Serve ``svc`` until its Shutdown stops ``actor``, which must exit 0 (bounded in time)."""
+
+    async def main():
+        with trio.fail_after(timeout_s):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                assert await actor.run() == 0
+
+    trio.run(main)
+
+
 def test_actor_plays_leases_swaps_versions_reuses_envs_and_exits_on_shutdown():
     cfg = make_cfg(**{"learner.steps": 4, "learner.max_staleness": 1, "actor.max_groups": 2, "learner.heartbeat_interval_s": 0.05})
     trainer, pub = FakeTrainer(), FakePublisher()
@@ -145,14 +158,7 @@ def test_actor_env_client_speaks_the_flavor_the_learner_announces():
     env = FakeEnvClient()
     actor = make_actor(cfg, env, ChecksumEngine(size=SIZE))
 
-    async def main():
-        with trio.fail_after(60):
-            async with trio.open_nursery() as n:
-                n.start_soon(svc.serve)
-                await svc.ready.wait()
-                assert await actor.run() == 0
-
-    trio.run(main)
+    run_to_shutdown(svc, actor)
     assert env.made_with == ("http://127.0.0.1:36001", "agentgym")
 
 
@@ -338,14 +344,7 @@ def test_every_sampled_token_is_labelled_with_the_version_whose_weights_produced
 
     actor.deps.make_runtime = make_runtime
 
-    async def main():
-        with trio.fail_after(90):
-            async with trio.open_nursery() as n:
-                n.start_soon(svc.serve)
-                await svc.ready.wait()
-                assert await actor.run() == 0
-
-    trio.run(main)
+    run_to_shutdown(svc, actor, timeout_s=90)
     assert trainer.step == 12 and len(engine.applied) >= 4  # many swaps happened while sampling
     expected = {v: weights_token(version_weights(v, SIZE)) for v in range(0, 20)}
     by_token = {tok: v for v, tok in expected.items()}
@@ -380,14 +379,7 @@ def test_a_failed_swap_keeps_the_old_weights_and_the_actor_pulls_again():
     engine._apply_weights = flaky_apply
     actor = make_actor(cfg, FakeEnvClient(), engine)
 
-    async def main():
-        with trio.fail_after(60):
-            async with trio.open_nursery() as n:
-                n.start_soon(svc.serve)
-                await svc.ready.wait()
-                assert await actor.run() == 0
-
-    trio.run(main)
+    run_to_shutdown(svc, actor)
     assert trainer.step == 4
     assert fails["left"] == 0 and actor.stats.weight_failures >= 1
     assert 1 in engine.applied  # pulled again and applied
@@ -533,13 +525,6 @@ def test_an_engine_that_half_applies_a_swap_is_caught_by_the_weight_checksum_and
     engine._apply_weights = half_apply
     actor = make_actor(cfg, FakeEnvClient(), engine)
 
-    async def main():
-        with trio.fail_after(60):
-            async with trio.open_nursery() as n:
-                n.start_soon(svc.serve)
-                await svc.ready.wait()
-                assert await actor.run() == 0
-
-    trio.run(main)
+    run_to_shutdown(svc, actor)
     assert bug["left"] == 0 and actor.stats.torn_weights == 1
     assert trainer.step == 3 and 1 in engine.applied
