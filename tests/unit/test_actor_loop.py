@@ -382,7 +382,7 @@ def test_a_failed_swap_keeps_the_old_weights_and_the_actor_pulls_again():
     run_to_shutdown(svc, actor)
     assert trainer.step == 4
     assert fails["left"] == 0 and actor.stats.weight_failures >= 1
-    assert 1 in engine.applied  # pulled again and applied
+    # pulled again and applied (v1 itself, or v2 if the learner moved on meanwhile)
     assert actor.applied is not None and actor.applied[1] >= 2  # step 4 needs groups sampled at >= v2
 
 
@@ -527,4 +527,4 @@ def test_an_engine_that_half_applies_a_swap_is_caught_by_the_weight_checksum_and
 
     run_to_shutdown(svc, actor)
     assert bug["left"] == 0 and actor.stats.torn_weights == 1
-    assert trainer.step == 3 and 1 in engine.applied
+    assert trainer.step == 3 and max(engine.applied) >= 1  # pulled again: v1, or a later version
