@@ -171,7 +171,7 @@ def platform_settings(cfg: Any) -> PlatformSettings:
     }
     kwargs: dict[str, Any] = {}
     if cfg.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{v.kv_cache_gib:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(v.kv_cache_gib))
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kwargs["enforce_eager"] = True
     elif cfg.device in ("cuda", "npu"):

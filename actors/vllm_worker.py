@@ -24,8 +24,10 @@ class TurnscaleWorkerExtension:
         through vLLM's in-place reload (checkpoint format: vLLM's own loader fuses and
         repacks, e.g. the CPU backend's repacked linears).  Returns the tensors read.
 
-        Ordering: returns only after every tensor is in place; an exception may leave the
-        model half-written, which the engine repairs by loading its restore source.
+        Ordering: returns only after every tensor is in place.  On an exception the model
+        is half-written: vLLM's layer-wise reload is first taken out of its loading mode
+        (``_leave_reload_mode``; otherwise no later reload can work), then the exception
+        propagates and the engine loads its restore source.
         """
         from actors.vllm_state import iter_state
 
@@ -37,5 +39,27 @@ class TurnscaleWorkerExtension:
                 count += 1
                 yield item
 
-        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        try:
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        except BaseException:
+            self._leave_reload_mode()
+            raise
         return count
+
+    def _leave_reload_mode(self) -> None:
+        """After an interrupted in-place reload: put back the kernel tensors of layers that
+        received nothing and process the rest (vLLM's ``finalize_layerwise_reload``, which
+        the interrupted ``reload_weights`` never reached).  Weights stay half-written; a
+        failure here is logged and left to the engine's restore (which then reports the
+        engine broken)."""
+        import logging
+
+        try:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+            runner = self.model_runner  # type: ignore[attr-defined]
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
+        except Exception:
+            logging.getLogger(__name__).exception("could not leave vLLM's layer-wise reload mode after a failed swap")

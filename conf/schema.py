@@ -132,15 +132,15 @@ class VLLMEngineConfig:
     multiprocess: bool = True
     """vLLM's EngineCore in its own process (vLLM's default), else in the actor's process
     (starts in seconds instead of tens of seconds on CPU)."""
-    kv_cache_gib: float = 1.0
-    """KV cache size on ``device=cpu`` (``VLLM_CPU_KVCACHE_SPACE``)."""
+    kv_cache_gib: int = 1
+    """KV cache size on ``device=cpu`` in whole GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
     enforce_eager: bool = False
     """No CUDA graphs / torch.compile on ``cuda``/``npu`` (always eager on ``cpu``)."""
     max_model_len: int = 0
     """Longest sequence vLLM plans for; 0: the model's own limit."""
 
     def __post_init__(self) -> None:
-        _require(self.kv_cache_gib > 0, "engine.vllm.kv_cache_gib", "must be > 0 (GiB)")
+        _require(self.kv_cache_gib >= 1, "engine.vllm.kv_cache_gib", "must be >= 1 (whole GiB)")
         _require(self.max_model_len >= 0, "engine.vllm.max_model_len", "must be >= 0 (0: the model's limit)")
 
 

@@ -102,9 +102,9 @@ def test_state_file_holds_a_copy_of_tensors_that_share_one_buffer(tmp_path, dtyp
 
 def test_platform_settings_are_eager_with_a_kv_cache_on_cpu_and_memory_fraction_on_gpus(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    cpu = platform_settings(EngineConfig(name="vllm", device="cpu", vllm=VLLMEngineConfig(multiprocess=False, kv_cache_gib=0.5)))
+    cpu = platform_settings(EngineConfig(name="vllm", device="cpu", vllm=VLLMEngineConfig(multiprocess=False, kv_cache_gib=2)))
     assert cpu.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-                       "VLLM_CPU_KVCACHE_SPACE": "0.5", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+                       "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     assert cpu.llm_kwargs == {"enforce_eager": True}
     gpu = platform_settings(EngineConfig(name="vllm", device="cuda", gpu_memory_utilization=0.5, vllm=VLLMEngineConfig(max_model_len=512)))
     assert gpu.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env
