@@ -126,7 +126,7 @@ class Launcher:
     def engine_python(self) -> str:
         """The interpreter of engine processes (``run.actor_python``, resolved; empty: ours)."""
         py = self.cfg.run.actor_python
-        return str(Path(py).resolve()) if py and os.sep in py else py
+        return os.path.abspath(py) if py and os.sep in py else py  # not resolve(): a venv's python is a symlink
 
     def check_engine_python(self) -> None:
         """Fail before any work when the engine processes' Python lacks the engine's package."""
