@@ -52,6 +52,7 @@ started with ``spawn``).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -196,6 +197,19 @@ def resolve_model_dir(model_path: str) -> str:
         raise EngineError(f"engine=vllm: model {model_path!r} is neither a folder nor in the local HF cache ({exc})") from None
 
 
+def tied_embeddings(model_dir: str, hf_config: Any = None) -> bool:
+    """Whether the model shares ``lm_head`` with ``embed_tokens`` (then vLLM loads no
+    ``lm_head.weight``): the model folder's ``config.json`` decides, else vLLM's config."""
+    path = os.path.join(model_dir, "config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        for d in (doc, doc.get("text_config") or {}):
+            if "tie_word_embeddings" in d:
+                return bool(d["tie_word_embeddings"])
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
 # ----------------------------------------------------------------------------- engine
 
 
@@ -223,8 +237,7 @@ class VLLMEngine(ThreadedEngine):
             llm = build_llm(self.api, cfg, self.model_dir)
         self.llm = llm
         self.core = llm.llm_engine
-        hf_config = getattr(getattr(self.core, "model_config", None), "hf_config", None)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = tied_embeddings(self.model_dir, getattr(getattr(self.core, "model_config", None), "hf_config", None))
         self._expected = expected_shapes(files, tie_word_embeddings=self.tie_word_embeddings)
         self._store = StateStore(files, state_dir)
         self._rows: dict[str, _VRow] = {}

@@ -34,7 +34,7 @@ def test_short_run_on_vllm_actors_swaps_weights_every_version_with_behaviour_log
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "turnscale", "run", f"run.dir={run_dir}", f"model.cache_dir={tmp_path / 'models'}",
-         "engine=vllm", "engine.device=cpu", "engine.dtype=float32", "engine.max_batch=32", "engine.vllm.multiprocess=false",
+         "engine=vllm_cpu", "engine.max_batch=32",
          f"run.actor_python={VLLM_PYTHON}", "run.actors=1", "learner.steps=4", "schedule.every=2", "run.warm_start.steps=3",
          "run.warm_start.episodes=30", "run.test_seeds=1000:1002", "run.eval_samples=1", "logger.console_every_s=0"],
         capture_output=True, text=True, timeout=560,

@@ -294,3 +294,22 @@ def test_close_shuts_vllm_down_once_and_removes_the_state_files(fake):
 def test_a_model_without_safetensors_is_refused_at_once(tmp_path):
     with pytest.raises(EngineError, match="needs the model as safetensors"):
         VLLMEngine(EngineConfig(name="vllm"), str(tmp_path), llm=FakeLLM({}), vllm_api=FAKE_API)
+
+
+def test_tied_embeddings_come_from_the_model_folder_and_drop_lm_head_from_swaps(tmp_path):
+    import json
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    tied = {k: v.clone() for k, v in _state(1.0).items() if k != "lm_head.weight"}
+    save_file(tied, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    llm = FakeLLM(tied)
+    eng = VLLMEngine(EngineConfig(name="vllm", max_batch=2), str(model_dir), llm=llm, vllm_api=FAKE_API, state_dir=str(tmp_path))
+    try:
+        assert eng.tie_word_embeddings
+        eng.load_weights(1, _state(2.0))  # the learner's state dict still names lm_head.weight
+        trio.run(lambda: eng.generate(GenerateRequest([1], SamplingParams(max_new_tokens=1))))
+        assert eng.version == 1 and sorted(llm.worker.loads[-1]) == sorted(tied)
+    finally:
+        eng.close()
