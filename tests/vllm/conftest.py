@@ -4,13 +4,9 @@ vLLM every test here skips.  One in-process engine is shared by the session."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.conftest import tiny_corpus
-
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # never pin cores on a shared machine
 
 
 @pytest.fixture(scope="session")
