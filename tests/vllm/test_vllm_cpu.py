@@ -264,7 +264,7 @@ def test_requests_join_a_running_batch_and_aborted_ones_leave_vllm(inproc_engine
 # ----------------------------------------------------------------------------- multiprocess engine
 
 
-def test_multiprocess_engine_swaps_inflight_per_token_and_close_ends_its_processes(tiny_model_dir_hd32, reference):
+def test_multiprocess_engine_swaps_inflight_per_token_and_close_mid_request_ends_its_processes(tiny_model_dir_hd32, reference):
     import psutil
 
     from actors.vllm_engine import VLLMEngine
@@ -305,6 +305,21 @@ def test_multiprocess_engine_swaps_inflight_per_token_and_close_ends_its_process
         assert (out["late"].versions() == 1).all()
         assert reference.check(new, prompt_ids(6), out["late"], 1.0) < TOL  # bytes crossed to the worker process intact
         assert eng.last_swap_s > 0
+
+        async def close_mid_request():  # close() stops at a safe point: between two decoding steps
+            async with trio.open_nursery() as n:
+                async def gen():
+                    out["cut"] = await eng.generate(GenerateRequest(prompt_ids(8), SamplingParams(max_new_tokens=1500), seed=8))
+
+                n.start_soon(gen)
+                steps = eng.stats()["decode_steps"]
+                await wait_for(lambda: eng.stats()["decode_steps"] >= steps + 5, "a running request")
+                await trio.to_thread.run_sync(eng.close)
+
+        trio.run(close_mid_request)
+        cut = out["cut"]
+        assert cut.finish_reason == "aborted" and 0 < len(cut.token_ids) < 1500 and len(cut.logprobs) == len(cut.token_ids)
+        assert (cut.versions() == 1).all() and np.isfinite(cut.logprobs).all()
     finally:
         eng.close()
     deadline = time.monotonic() + 60
