@@ -27,8 +27,9 @@ running (``between_turns``).  A swap, in order:
 1. ``load_weights`` -> ``_check_weights``: the tensors must be the model's *full* state
    (names and shapes from the model folder's safetensors headers; vLLM's loaders fuse
    ``qkv_proj`` / ``gate_up_proj``, so a partial state would leave half-written layers);
-2. ``_apply_weights`` (engine thread) copies the state into one safetensors file in shared
-   memory (``actors.vllm_state``) — from then on the engine holds no reference to the
+2. ``_apply_weights`` (engine thread) copies the state into one in-memory safetensors file
+   (``actors.vllm_state``: a ``memfd`` the workers open through ``/proc``, freed by the
+   kernel even if the actor dies) — from then on the engine holds no reference to the
    caller's tensors — and every worker loads that file through vLLM's in-place
    ``reload_weights`` (``actors.vllm_worker``, a ``worker_extension_cls`` called by method
    name through ``collective_rpc``: the only thing crossing a process boundary is a path;

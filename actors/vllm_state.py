@@ -1,8 +1,8 @@
-"""Full weight states for vLLM swaps, as safetensors files in shared memory (``/dev/shm``).
+"""Full weight states for vLLM swaps, as safetensors files in shared memory.
 
 Why files: vLLM's workers may live in other processes (its default multiprocess mode), and
 nothing pickled may cross a process boundary.  Every swap therefore writes the *full* state
-once into a safetensors file on a tmpfs (shared memory) and tells each worker its path
+once into a safetensors file in memory (``StateStore``) and tells each worker its path
 (``actors.vllm_worker``); a worker maps the file and streams it into its model.  The same
 path serves vLLM's in-process mode, so there is one swap mechanism.
 
@@ -115,6 +115,15 @@ def write_state(path: str, tensors: Mapping[str, Any], names: Mapping[str, str])
     """Write ``{vLLM name: tensors[caller's name]}`` as one safetensors file at ``path``
     (through ``path + '.tmp'`` and a rename).  Tensors may share storage (views of one
     receive buffer).  Returns the bytes written."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        n = write_state_to(f, tensors, names)
+    os.replace(tmp, path)
+    return n
+
+
+def write_state_to(f: Any, tensors: Mapping[str, Any], names: Mapping[str, str]) -> int:
+    """``write_state`` into an open binary file ``f``."""
     import torch
 
     header: dict[str, Any] = {}
@@ -128,17 +137,14 @@ def write_state(path: str, tensors: Mapping[str, Any], names: Mapping[str, str])
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for clean in order:
-            t = tensors[names[clean]].detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            flat = t.contiguous().reshape(-1).view(torch.uint8)
-            f.write(memoryview(flat.numpy()))
-    os.replace(tmp, path)
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for clean in order:
+        t = tensors[names[clean]].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        f.write(memoryview(flat.numpy()))
     return 8 + len(blob) + offset
 
 
@@ -159,20 +165,39 @@ def shm_dir() -> str | None:
 
 
 class StateStore:
-    """The state files of one engine, in a private directory of shared memory.
+    """The state files of one engine, in shared memory.
+
+    By default each state is an anonymous in-memory file (``memfd_create``) that workers open
+    as ``/proc/<engine pid>/fd/<fd>``: the kernel frees it when the engine closes it *or
+    dies*, so a killed actor never leaks a model-sized file.  Where that is unavailable, or
+    when ``directory`` is given, states are files in a private directory (``/dev/shm`` when
+    writable), removed by ``discard`` / ``close``.
 
     ``restore`` is the state the engine last loaded successfully.  Not thread-safe: used
     only by the engine thread (and ``close`` after that thread ended).
     """
 
     def __init__(self, initial: Sequence[str], directory: str | None = None) -> None:
-        self.dir = tempfile.mkdtemp(prefix="turnscale-vllm-", dir=directory if directory is not None else shm_dir())
         self.restore: list[str] = list(initial)
+        self._fds: dict[str, int] = {}
         self._count = 0
+        use_memfd = directory is None and hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+        self.dir = None if use_memfd else tempfile.mkdtemp(prefix="turnscale-vllm-", dir=directory if directory is not None else shm_dir())
 
     def write(self, tensors: Mapping[str, Any], names: Mapping[str, str]) -> list[str]:
-        """A new state file (not yet the restore source)."""
+        """A new state file (complete before its path is returned; not yet the restore source)."""
         self._count += 1
+        if self.dir is None:
+            fd = os.memfd_create(f"turnscale-vllm-state-{self._count}", os.MFD_CLOEXEC)
+            path = f"/proc/{os.getpid()}/fd/{fd}"
+            self._fds[path] = fd
+            try:
+                with os.fdopen(os.dup(fd), "wb") as f:
+                    write_state_to(f, tensors, names)
+            except BaseException:
+                self.discard([path])
+                raise
+            return [path]
         path = os.path.join(self.dir, f"state-{self._count}.safetensors")
         try:
             write_state(path, tensors, names)
@@ -182,18 +207,23 @@ class StateStore:
         return [path]
 
     def commit(self, files: list[str]) -> None:
-        """``files`` were loaded: they become the restore source (our previous one is deleted)."""
+        """``files`` were loaded: they become the restore source (our previous one is freed)."""
         old, self.restore = self.restore, list(files)
         self.discard([f for f in old if f not in files])
 
     def discard(self, files: Sequence[str]) -> None:
-        """Delete ``files`` that are ours (never the model folder's)."""
+        """Free ``files`` that are ours (never the model folder's)."""
         for f in files:
-            if os.path.dirname(f) == self.dir:
+            fd = self._fds.pop(f, None)
+            if fd is not None:
+                os.close(fd)
+            elif self.dir is not None and os.path.dirname(f) == self.dir:
                 try:
                     os.unlink(f)
                 except FileNotFoundError:
                     pass
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.discard(list(self._fds))
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)

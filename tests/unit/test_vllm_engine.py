@@ -61,6 +61,8 @@ def test_weight_names_are_hf_names_without_wrappers():
 
 # ----------------------------------------------------------------------------- state files
 
+import os  # noqa: E402
+
 import torch  # noqa: E402
 
 EXPECTED = {"model.embed_tokens.weight": (6, 4), "model.norm.weight": (4,), "lm_head.weight": (6, 4)}
@@ -131,6 +133,27 @@ def test_state_store_keeps_one_restore_source_and_never_deletes_the_model_folder
     assert not os.path.exists(c[0]) and os.path.exists(b[0])
     store.close()
     assert not os.path.exists(store.dir) and model_file.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create is Linux-only")
+def test_default_state_files_are_in_memory_files_freed_on_discard_and_close():
+    store = StateStore(["/model/model.safetensors"])
+    assert store.dir is None
+    src = _state(1.0)
+    names = check_full_state(src, EXPECTED, tie_word_embeddings=False)
+    a = store.write(src, names)
+    assert a[0].startswith(f"/proc/{os.getpid()}/fd/")
+    got = dict(iter_state(a))  # what a worker process reads through the engine's /proc path
+    assert all(torch.equal(got[k], v) for k, v in _state(1.0).items())
+    store.commit(a)
+    b = store.write(src, names)
+    store.commit(b)
+    assert not os.path.exists(a[0]) and os.path.exists(b[0])  # the previous state's memory is freed
+    c = store.write(src, names)
+    store.discard(c)
+    assert not os.path.exists(c[0])
+    store.close()
+    assert not os.path.exists(b[0]) and store.restore == b
 
 
 # ----------------------------------------------------------------------------- fake vLLM
