@@ -13,8 +13,19 @@ connection to the learner) with these named tasks:
   weight target, ``Shutdown`` starts a graceful stop;
 - ``weights``: pulls the target version's chunks in the background (own DEALER to the
   weights endpoint) and hands them to ``engine.load_weights`` (the engine swaps at its
-  safe point, ``engine.update_mode``);
+  safe point, ``engine.update_mode``), then awaits the swap's outcome;
 - ``signals`` (process-wide, outside the sessions): SIGTERM/SIGINT start a graceful stop.
+
+Weights (ordering contract).  ``applied`` is the ``(incarnation, version)`` of the weights
+the engine holds, set only when the engine reports the swap *applied* (``WeightSwap``):
+never when a pull finishes or a swap is merely queued.  A pull goes into one of two
+receive buffers, never into one the engine may still read (a buffer is reused only once
+its last ``WeightSwap`` is released).  A lease starts playing only when ``applied`` is the
+current learner incarnation's and at least the lease's version.  A failed swap leaves
+``applied`` as it was and the weights task pulls again; ``EngineBroken`` rebuilds the
+engine.  A Welcome or announcement from another learner incarnation (a restarted or
+resumed learner) invalidates ``applied``: those weights are dropped and pulled anew,
+even when the version number is the same or lower.
 
 Lost learner.  A control request that times out (``PeerTimeout``) or a
 ``not_registered`` answer ends the session: its nursery is cancelled (running groups
@@ -50,6 +61,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import trio
 import zmq
 
+from actors.engine import EngineBroken, EngineError, WeightSwap
 from actors.envpool import EnvClientLike, EnvPool, PooledSession
 from conf.schema import ActorConfig
 from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError, TurnscaleError
@@ -78,15 +90,16 @@ class EngineLike(Protocol):
     @property
     def version(self) -> int: ...
 
-    def load_weights(self, version: int, tensors: Any) -> None: ...
+    def load_weights(self, version: int, tensors: Any) -> WeightSwap: ...
 
     def stats(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
 
 
-PullFn = Callable[[AsyncSocket, WeightManifest, float], Awaitable[Any]]
-"""``pull(weights_sock, manifest, timeout_s) -> named tensors`` (checksums verified)."""
+PullFn = Callable[[AsyncSocket, WeightManifest, float, Any], Awaitable[Any]]
+"""``pull(weights_sock, manifest, timeout_s, buffer) -> named tensors`` (checksums verified),
+received into ``buffer`` (one of ``ActorDeps.new_buffer()``'s, free for this pull)."""
 
 PlayGroupFn = Callable[[Lease, list[PooledSession]], Awaitable[TrajectoryGroup]]
 """Plays one lease's episodes on the given sessions (one per episode) -> the group."""
@@ -99,6 +112,20 @@ class ActorDeps:
     make_runtime: Callable[[Welcome], Awaitable["Runtime"]]
     pull: PullFn
     make_env_client: Callable[[str], EnvClientLike]
+    new_buffer: Callable[[], Any] = lambda: None
+    """A receive buffer for ``pull`` (the actor makes two); None lets ``pull`` allocate."""
+
+
+@dataclass
+class _BufferSlot:
+    """A receive buffer and the last swap it was handed to (it is free once that swap is released)."""
+
+    buffer: Any
+    swap: WeightSwap | None = None
+
+    @property
+    def free(self) -> bool:
+        return self.swap is None or self.swap.released
 
 
 @dataclass
@@ -122,6 +149,10 @@ class ActorStats:
     sessions: int = 0
     weight_pulls: int = 0
     weight_pull_s: float = 0.0
+    weight_failures: int = 0
+    engine_rebuilds: int = 0
+    torn_weights: int = 0
+    """Swaps after which the engine's weights did not checksum to the pulled bytes."""
 
 
 def default_actor_id() -> str:
@@ -149,10 +180,12 @@ class Actor:
     pools: dict[str, EnvPool] = field(default_factory=dict)
     welcome: Welcome | None = None
     target: PolicyAnnouncement | None = None
-    pulled_version: int = -1
+    applied: tuple[str, int] | None = None
+    """``(incarnation, version)`` of the weights the engine has applied (see the module docstring)."""
     _ctx: zmq.Context | None = None
     _running: dict[str, trio.CancelScope] = field(default_factory=dict)
     _changed: trio.Event = field(default_factory=trio.Event)
+    _slots: list[_BufferSlot] = field(default_factory=list)
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
@@ -271,12 +304,13 @@ class Actor:
                 backoff = min(backoff * 2, self.cfg.reconnect_max_backoff_s)
 
     async def _adopt(self, welcome: Welcome) -> None:
-        new_run = self.welcome is not None and self.welcome.run_id != welcome.run_id
         self.welcome = welcome
         if self.runtime is None:
             self.runtime = await self.deps.make_runtime(welcome)
-        if new_run:
-            self.pulled_version = -1  # another run's versions mean other weights
+        if self.applied is not None and self.applied[0] != welcome.policy.incarnation:
+            log.info("learner incarnation changed (%s -> %s): dropping weights v%d", self.applied[0],
+                     welcome.policy.incarnation, self.applied[1])
+            self.applied = None  # another learner process: its version numbers name other weights
         for ep in welcome.envs:
             if ep.name not in self.pools:
                 url = self.cfg.env_url or ep.url
@@ -389,12 +423,16 @@ class Actor:
         return TrajectoryGroup(lease_id=lease.lease_id, actor_id=self.actor_id, task=lease.task,
                                turn_limit=lease.turn_limit, episodes=[], failed=True, error=error[:2000])
 
+    def _holds(self, version: int) -> bool:
+        """The engine has applied this learner incarnation's weights, version >= ``version``."""
+        assert self.welcome is not None
+        a = self.applied
+        return a is not None and a[0] == self.welcome.policy.incarnation and a[1] >= version
+
     async def _wait_for_version(self, version: int) -> None:
-        """A lease issued under a newer policy waits until the engine holds it."""
-        assert self.runtime is not None
-        while self.runtime.engine.version < version:
-            with trio.move_on_after(0.05):
-                await self._changed.wait()
+        """A lease waits until the engine has applied its version (woken by the swap)."""
+        while not self._holds(version):
+            await self._changed.wait()
 
     # ------------------------------------------------------------------ background
     async def _heartbeat(self, req: Requester) -> None:
@@ -425,34 +463,93 @@ class Actor:
                 continue
             if isinstance(msg, Shutdown):
                 self.request_stop(f"learner shutdown: {msg.reason}", abandon=True)
+            elif self.welcome is None or msg.incarnation != self.welcome.policy.incarnation:
+                continue  # another learner process (restarted): its Welcome decides, not its PUB
             elif self.target is None or (msg.version, msg.step) > (self.target.version, self.target.step):
                 self.target = msg
                 self._poke()
 
+    def _needs(self, policy: PolicyAnnouncement) -> bool:
+        """``policy`` has weights and they are newer than (or from another incarnation than) ours."""
+        a = self.applied
+        return policy.manifest is not None and (a is None or a[0] != policy.incarnation or a[1] < policy.version)
+
     async def _weights(self, sock: AsyncSocket) -> None:
         while True:
             t = self.target
-            if t is not None and t.manifest is not None and t.version > self.pulled_version:
+            if t is not None and self._needs(t):
                 try:
                     await self._pull(sock, t)
-                except TurnscaleError as exc:  # transport, checksum, protocol, engine errors
-                    log.warning("weight pull of version %d failed (%s); retrying", t.version, exc)
+                except TurnscaleError as exc:  # transport, checksum, protocol, engine errors: pull again
+                    self.stats.weight_failures += 1
+                    log.warning("weights version %d not applied (%s); pulling again", t.version, exc)
                     await trio.sleep(0.5)
                 continue
             await self._changed.wait()
 
+    async def _free_slot(self) -> _BufferSlot:
+        """A receive buffer the engine does not hold (waits for a release if both are held)."""
+        if not self._slots:
+            self._slots = [_BufferSlot(self.deps.new_buffer()) for _ in range(2)]
+        while True:
+            for slot in self._slots:
+                if slot.free:
+                    return slot
+            assert self._slots[0].swap is not None
+            await self._slots[0].swap.wait_released()
+
     async def _pull(self, sock: AsyncSocket, policy: PolicyAnnouncement) -> None:
+        """Pull ``policy``'s weights into a free buffer, hand them to the engine and await the swap."""
         assert self.runtime is not None
-        if policy.manifest is None or policy.version <= self.pulled_version:
+        if not self._needs(policy):
             return
+        assert policy.manifest is not None
         t0 = time.monotonic()
-        tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s))
-        self.runtime.engine.load_weights(policy.version, tensors)
-        self.pulled_version = policy.version
+        slot = await self._free_slot()
+        tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s), slot.buffer)
+        engine = self.runtime.engine
+        slot.swap = engine.load_weights(policy.version, tensors)  # the engine owns them until released
+        try:
+            await slot.swap.wait()
+        except EngineBroken:
+            await self._rebuild_engine(engine)
+            raise
+        if self.cfg.verify_weights:  # released: the buffer is ours again until the next pull
+            await self._verify(engine, tensors, policy.manifest)
+        self.applied = (policy.incarnation, policy.version)
         self.stats.weight_pulls += 1
         self.stats.weight_pull_s += time.monotonic() - t0
-        log.info("pulled weights version %d in %.2fs", policy.version, time.monotonic() - t0)
+        log.info("applied weights version %d in %.2fs", policy.version, time.monotonic() - t0)
         self._poke()
+
+    async def _verify(self, engine: EngineLike, tensors: Any, manifest: WeightManifest) -> None:
+        """Checksum the engine's weights against the pulled bytes (engines that can read them back)."""
+        from actors.engine import tensor_digest
+
+        digest = getattr(engine, "weights_digest", None)
+        if digest is None:
+            return
+        names = list(tensors)
+        got = await trio.to_thread.run_sync(digest, names, manifest.dtype, manifest.checksum_algo)
+        if got is None:
+            return
+        want = await trio.to_thread.run_sync(tensor_digest, tensors, manifest.dtype, manifest.checksum_algo)
+        bad = [n for n in names if got.get(n) != want[n]]
+        if bad:
+            self.stats.torn_weights += 1
+            self.applied = None
+            log.error("weights v%d in the engine differ from the pulled bytes in %d tensor(s), e.g. %s; pulling again",
+                      manifest.version, len(bad), bad[0])
+            raise EngineError(f"torn weights after the swap to v{manifest.version}")
+
+    async def _rebuild_engine(self, broken: EngineLike) -> None:
+        """The engine lost its weights: close it and build a new one (its leases fail and are re-issued)."""
+        assert self.welcome is not None
+        log.warning("engine broken; rebuilding it")
+        self.applied = None
+        self.stats.engine_rebuilds += 1
+        broken.close()
+        self.runtime = await self.deps.make_runtime(self.welcome)
 
     async def _goodbye(self, req: Requester) -> None:
         with trio.move_on_after(min(5.0, self.cfg.request_timeout_s)):

@@ -18,9 +18,24 @@ point, chosen by ``EngineConfig.update_mode``:
   the *minimum* (oldest) version that sampled any of its tokens (the version at the
   request's first token) and ``token_versions`` holds each token's own version.
 
-Ownership: ``load_weights`` validates names and shapes at once (raising ``EngineError``)
-and keeps references to ``tensors`` until the swap; the caller must not modify them until
-``engine.version`` reports the new version (or pass copies).
+Weight hand-over (the ordering contract between the caller and the engine thread):
+
+1. ``load_weights(version, tensors)`` validates names and shapes at once (raising
+   ``EngineError``) and returns a ``WeightSwap``.  From then on the engine OWNS
+   ``tensors`` and the memory behind them: the caller must not write to it.
+2. The engine thread applies the swap at its next safe point, then sets ``version``, then
+   completes the ``WeightSwap`` as ``applied``.  Every token sampled after that carries the
+   new version; none sampled before does.  ``version`` is always the *applied* version,
+   never one that is only queued.
+3. A swap that fails completes as ``failed`` (``WeightSwap.wait`` raises ``EngineError``)
+   and the engine keeps serving the previous weights under the previous version, or, when
+   ``_apply_weights`` raised ``EngineBroken`` (the previous weights are gone), it refuses
+   every request from then on (``broken`` says why) and must be rebuilt.
+4. A newer ``load_weights`` before the swap was applied replaces it: the older one
+   completes as ``superseded``; ``close`` completes a pending one as ``closed``.
+5. Whatever the outcome, once the ``WeightSwap`` is complete (``released``) the engine holds
+   no reference to ``tensors`` or their memory: only then may the caller reuse the buffer
+   (the actor pulls the next version into another buffer meanwhile).
 """
 
 from __future__ import annotations
@@ -59,6 +74,68 @@ class EngineBroken(EngineError):
     """The engine can no longer vouch for its weights (e.g. a swap failed half-way and the
     previous weights could not be restored): it refuses every request until it is rebuilt.
     ``_apply_weights`` raises it instead of a plain error when the old weights are gone."""
+
+
+class WeightSwap:
+    """One ``load_weights`` hand-over (see the module docstring).  Completed exactly once by
+    the engine thread; trio tasks ``await wait()`` / ``await wait_released()``."""
+
+    APPLIED, FAILED, SUPERSEDED, CLOSED = "applied", "failed", "superseded", "closed"
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.outcome: str | None = None
+        self.error: str = ""
+        self.broken = False
+        """True when the failure left the engine without usable weights (``EngineBroken``)."""
+        self._lock = threading.Lock()
+        self._wakers: list[Callable[[], None]] = []
+
+    @property
+    def released(self) -> bool:
+        """True once the engine no longer reads the tensors it was handed."""
+        return self.outcome is not None
+
+    def complete(self, outcome: str, error: str = "", *, broken: bool = False) -> None:
+        """Engine side: record the outcome and wake every waiter (first call wins)."""
+        with self._lock:
+            if self.outcome is not None:
+                return
+            self.error, self.broken = error, broken
+            self.outcome = outcome
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    async def wait_released(self) -> None:
+        """Return once the swap is complete, whatever the outcome."""
+        import trio
+
+        with self._lock:
+            if self.outcome is None:
+                token = trio.lowlevel.current_trio_token()
+                done = trio.Event()
+
+                def wake() -> None:
+                    try:
+                        token.run_sync_soon(done.set)
+                    except trio.RunFinishedError:
+                        pass
+
+                self._wakers.append(wake)
+            else:
+                done = None
+        if done is not None:
+            await done.wait()
+
+    async def wait(self) -> None:
+        """Return once applied; raise ``EngineBroken``/``EngineError`` for any other outcome."""
+        await self.wait_released()
+        if self.outcome == self.APPLIED:
+            return
+        if self.broken:
+            raise EngineBroken(f"weights v{self.version}: {self.error}")
+        raise EngineError(f"weights v{self.version} {self.outcome}" + (f": {self.error}" if self.error else ""))
 
 
 @dataclass(frozen=True)
@@ -108,7 +185,7 @@ class Engine(Protocol):
 
     async def generate(self, req: GenerateRequest) -> GenerateResult: ...
 
-    def load_weights(self, version: int, tensors: Mapping[str, "torch.Tensor"]) -> None: ...
+    def load_weights(self, version: int, tensors: Mapping[str, "torch.Tensor"]) -> WeightSwap: ...
 
     @property
     def version(self) -> int: ...
@@ -116,6 +193,29 @@ class Engine(Protocol):
     def stats(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
+
+    def weights_digest(self, names: Sequence[str], dtype: str, algo: str) -> dict[str, int] | None:
+        """``algo`` checksum of each named weight as ``dtype`` bytes, or None when the engine
+        cannot read its weights back in the transfer layout (e.g. vLLM repacks them)."""
+
+
+def tensor_digest(tensors: Mapping[str, Any], dtype: str, algo: str) -> dict[str, int]:
+    """``algo`` checksum of each tensor's bytes as ``dtype`` (torch tensors or numpy arrays)."""
+    from protocol import checksums
+
+    out = {}
+    for name, t in tensors.items():
+        if hasattr(t, "detach"):  # torch: cast, then view the bytes (bf16 has no numpy dtype)
+            import torch
+
+            from actors.weight_sync import TORCH_DTYPES
+
+            t = t.detach().to("cpu", TORCH_DTYPES[dtype]) if t.is_floating_point() else t.detach().cpu()
+            data = t.contiguous().view(torch.uint8).numpy()
+        else:
+            data = np.ascontiguousarray(t).view(np.uint8)
+        out[name] = checksums.checksum(algo, data)
+    return out
 
 
 # ----------------------------------------------------------------------------- bridge
@@ -200,8 +300,10 @@ class ThreadedEngine:
         self._version = version
         self._cond = threading.Condition()
         self._queue: collections.deque[Pending] = collections.deque()
-        self._pending_weights: tuple[int, Mapping[str, Any]] | None = None
+        self._pending_weights: tuple[WeightSwap, Mapping[str, Any]] | None = None
         self._closed = False
+        self.broken = ""
+        """Why the engine refuses requests (a swap lost the previous weights); "" when healthy."""
         self._t0 = time.monotonic()
         self._busy_s = 0.0
         self._steps = 0
@@ -232,6 +334,9 @@ class ThreadedEngine:
             if self._closed:
                 p.finish(EngineClosed("engine is closed"))
                 return
+            if self.broken:
+                p.finish(EngineBroken(f"engine is broken: {self.broken}; rebuild it"))
+                return
             self._queue.append(p)
             self._cond.notify()
 
@@ -239,13 +344,24 @@ class ThreadedEngine:
     def version(self) -> int:
         return self._version
 
-    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
+    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> WeightSwap:
+        """Hand ``tensors`` over for version ``version`` (see the module docstring)."""
         self._check_weights(tensors)
+        swap = WeightSwap(version)
         with self._cond:
             if self._closed:
                 raise EngineClosed("engine is closed")
-            self._pending_weights = (version, tensors)
+            if self.broken:
+                raise EngineBroken(f"engine is broken: {self.broken}; rebuild it")
+            older, self._pending_weights = self._pending_weights, (swap, tensors)
             self._cond.notify()
+        if older is not None:
+            older[0].complete(WeightSwap.SUPERSEDED)
+        return swap
+
+    def weights_digest(self, names: Sequence[str], dtype: str, algo: str) -> dict[str, int] | None:
+        """See ``Engine.weights_digest``; engines that can read their weights override it."""
+        return None
 
     def stats(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._t0, 1e-9)
@@ -263,6 +379,7 @@ class ThreadedEngine:
             "queued": float(queued),
             "policy_version": float(self._version),
             "weight_load_errors": float(self._weight_errors),
+            "engine_broken": float(bool(self.broken)),
         }
 
     def close(self) -> None:
@@ -271,7 +388,10 @@ class ThreadedEngine:
             if self._closed:
                 return
             self._closed = True
+            pending, self._pending_weights = self._pending_weights, None
             self._cond.notify_all()
+        if pending is not None:
+            pending[0].complete(WeightSwap.CLOSED)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
 
@@ -342,19 +462,45 @@ class ThreadedEngine:
             if pw is None or (self.update_mode == "between_turns" and self._active()):
                 return
             self._pending_weights = None
-        version, tensors = pw
+        swap, tensors = pw
+        del pw
         try:
             self._apply_weights(tensors)
-        except Exception as exc:  # keep serving the old version; the failure is visible in stats
+        except EngineBroken as exc:  # the previous weights are gone: refuse everything from now on
+            del tensors
             self._weight_errors += 1
-            self.last_weight_error = f"version {version}: {type(exc).__name__}: {exc}"
+            self.last_weight_error = f"version {swap.version}: {exc}"
+            self._break(str(exc))
+            swap.complete(WeightSwap.FAILED, str(exc), broken=True)
             return
-        self._version = version
+        except Exception as exc:  # keep serving the old version; the failure is visible in stats
+            del tensors
+            self._weight_errors += 1
+            self.last_weight_error = f"version {swap.version}: {type(exc).__name__}: {exc}"
+            swap.complete(WeightSwap.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        del tensors
+        self._version = swap.version
+        swap.complete(WeightSwap.APPLIED)
+
+    def _break(self, why: str) -> None:
+        """Engine thread: mark the engine broken and fail every queued and running request."""
+        err = EngineBroken(f"engine is broken: {why}; rebuild it")
+        with self._cond:
+            self.broken = why
+            queued = list(self._queue)
+            self._queue.clear()
+        for p in list(self._active()) + queued:
+            p.finish(err)
+        self._reset_batch()
 
     def _shutdown(self) -> None:
         with self._cond:
             queued = list(self._queue)
             self._queue.clear()
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is not None:
+            pending[0].complete(WeightSwap.CLOSED)
         for p in list(self._active()):
             p.finish(self._partial_result(p, FINISH_ABORTED))
         self._reset_batch()
@@ -398,6 +544,11 @@ class ThreadedEngine:
         raise NotImplementedError
 
     def _apply_weights(self, tensors: Mapping[str, Any]) -> None:
+        """Engine thread, at a safe point: make ``tensors`` the weights, all or nothing.
+
+        Return only when the new weights are fully in place; raise a plain exception only
+        when the previous weights are still intact, ``EngineBroken`` when they are not.  Keep
+        no reference to ``tensors`` or their memory after returning or raising."""
         raise NotImplementedError
 
 

@@ -68,10 +68,10 @@ class PooledSession:
             self._mark(exc)
             raise
         info = dict(_field(r, "info", None) or {})
-        done = bool(_field(r, "done", False)) or bool(_field(r, "truncated", False))
-        if _field(r, "truncated", False):
-            info.setdefault("truncated", True)
-        return str(_field(r, "observation", "")), float(_field(r, "reward", 0.0)), done, info
+        terminal = bool(_field(r, "done", False))
+        truncated = bool(_field(r, "truncated", False)) and not terminal
+        info["truncated"] = truncated  # cut by the env's own time limit: not a terminal state
+        return str(_field(r, "observation", "")), float(_field(r, "reward", 0.0)), terminal or truncated, info
 
     def _mark(self, exc: BaseException) -> None:
         import trio

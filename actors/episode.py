@@ -10,8 +10,9 @@ Ending (``finish_reason``), checked in this order each turn:
 ``context_limit`` (no room left under ``sampling.max_context_tokens`` to generate, or
 the next observation would not fit), ``aborted`` (the engine aborted or failed),
 ``env_error`` (any exception from the env; its text is kept in ``error``),
-``render_error`` (``RenderError``), ``done`` (the env said so), ``turn_limit`` (the
-lease's limit was reached).  A parse failure is an ordinary turn: the env is not
+``render_error`` (``RenderError``), ``done`` (the env reached a terminal state),
+``truncated`` (the env cut the episode at its own time limit: not terminal, so GAE
+bootstraps from the critic there), ``turn_limit`` (the lease's limit was reached).  A parse failure is an ordinary turn: the env is not
 stepped and the parser's hint becomes the observation (reward 0).
 """
 
@@ -149,7 +150,7 @@ async def run_episode(
             obs = parsed.hint
         turns.append(_turn(index, start, stream, text, parsed.action, not parsed.ok, obs, float(reward), bool(done), res.policy_version, gen_s, env_s))
         if done:
-            return finish("done")
+            return finish("truncated" if info.get("truncated") else "done")
         if index == turn_limit - 1:
             break
         try:

@@ -35,6 +35,7 @@ from actors.engine import (
     FINISH_ABORTED,
     FINISH_LENGTH,
     FINISH_STOP,
+    EngineBroken,
     EngineError,
     GenerateResult,
     Pending,
@@ -275,12 +276,33 @@ class HFEngine(ThreadedEngine):
             if tuple(t.shape) != self._names[name]:
                 raise EngineError(f"load_weights: {name} has shape {tuple(t.shape)}, the model needs {self._names[name]}")
 
+    def weights_digest(self, names, dtype: str, algo: str) -> dict[str, int]:
+        """Checksums of the model's parameters as the transfer dtype (a lossless round trip
+        for weights that came in as that dtype), read without stopping the decoding thread
+        (only a swap writes them, and the caller does not start one meanwhile)."""
+        from actors.engine import tensor_digest
+
+        state = self.model.state_dict()
+        return tensor_digest({n: state[n] for n in names if n in state}, dtype, algo)
+
     def _apply_weights(self, tensors: Mapping[str, Any]) -> None:
+        """Copy every tensor into the model (names and shapes were checked at hand-over).
+
+        The copy writes the live parameters in place, so a failure part-way has already
+        overwritten some of them: that is ``EngineBroken``, never "kept the old version"."""
         self.prefix_cache.clear()  # KV computed by the old weights must not seed new requests
         state = self.model.state_dict()
-        with torch.no_grad():
-            for name, t in tensors.items():
-                state[name].copy_(t)
+        done = 0
+        try:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    state[name].copy_(t)
+                    done += 1
+        except Exception as exc:
+            if done == 0:
+                raise
+            raise EngineBroken(f"weight copy failed after {done} of {len(tensors)} tensors: "
+                               f"{type(exc).__name__}: {exc}") from None
 
     # -- batch bookkeeping -------------------------------------------------------------
 

@@ -50,10 +50,15 @@ def build_actor(cfg: Config) -> Any:
 
         return Runtime(engine=engine, play_group=play_group)
 
-    async def pull(sock: Any, manifest: Any, timeout_s: float) -> Any:
+    async def pull(sock: Any, manifest: Any, timeout_s: float, buffer: Any) -> Any:
         from actors.weight_sync import pull_weights
 
-        return await pull_weights(sock, manifest, timeout_s=timeout_s)
+        return await pull_weights(sock, manifest, timeout_s=timeout_s, buffer=buffer)
+
+    def new_buffer() -> Any:
+        from actors.weight_sync import ReceiveBuffer
+
+        return ReceiveBuffer()
 
     def make_env_client(url: str) -> Any:
         from envhub.client import EnvClient
@@ -61,7 +66,8 @@ def build_actor(cfg: Config) -> Any:
         return EnvClient(url)
 
     actor_kw = {"actor_id": cfg.actor.actor_id} if cfg.actor.actor_id else {}
-    actor = Actor(cfg=cfg.actor, deps=ActorDeps(make_runtime=make_runtime, pull=pull, make_env_client=make_env_client),
+    actor = Actor(cfg=cfg.actor, deps=ActorDeps(make_runtime=make_runtime, pull=pull, make_env_client=make_env_client,
+                                                      new_buffer=new_buffer),
                   engine_name=cfg.engine.name, device=cfg.engine.device, **actor_kw)
     holder["actor"] = actor
     return actor

@@ -18,12 +18,15 @@ Contract:
   raises ``RemoteError`` (e.g. ``unknown_version``: pull the latest announced version).
 - Replies to earlier attempts or other versions are discarded, never written over a
   verified chunk.
-- The returned tensors VIEW the receive buffer (``copy=False``, default): they stay valid
-  until the next pull into the same buffer.  An engine's ``load_weights`` copies them
-  into its parameters before the next pull; pass ``copy=True`` to get owned tensors.
-- The buffer (``ReceiveBuffer``; one module-wide default) is allocated once and reused
-  across versions: first-touching a fresh buffer every time is ~3x slower (FACTS.md).
-  One pull at a time per buffer.
+- The returned tensors VIEW the receive buffer (``copy=False``, default).  Whoever holds
+  them owns the buffer: it must not be pulled into again until they are released.  The
+  actor keeps two buffers and hands the tensors to the engine (``Engine.load_weights``);
+  it pulls into a buffer only after the engine released it (``WeightSwap.released``),
+  so a pull never writes into memory the engine may still read.  Pass ``copy=True`` to
+  get owned tensors instead.
+- A buffer (``ReceiveBuffer``) is allocated once and reused across versions:
+  first-touching a fresh buffer every time is ~3x slower (FACTS.md).  Without
+  ``buffer`` a pull allocates a fresh one.  One pull at a time per buffer.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from protocol.transport import AsyncSocket
 
 _RID = struct.Struct("<qiI")  # version, chunk index, attempt
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
                  "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 
 
@@ -68,8 +71,6 @@ class ReceiveBuffer:
             self.buf = np.empty(nbytes, dtype=np.uint8)
         return self.buf[:nbytes]
 
-
-DEFAULT_BUFFER = ReceiveBuffer()
 
 
 def _checksum(algo: str, data: Any) -> int:
@@ -196,13 +197,16 @@ def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool
     """Tensors of ``manifest`` viewing (or copied out of) the stream bytes in ``buf``."""
     out: dict[str, torch.Tensor] = {}
     for t in manifest.tensors:
-        dtype = _TORCH_DTYPES.get(t.dtype)
+        dtype = TORCH_DTYPES.get(t.dtype)
         if dtype is None:
             raise WeightSyncError(f"tensor {t.name}: dtype {t.dtype!r} unknown to this actor")
         numel = math.prod(t.shape)
         if numel == 0:
             out[t.name] = torch.empty(t.shape, dtype=dtype)
             continue
+        if t.offset < 0 or t.offset + numel * dtype.itemsize > len(buf):
+            raise WeightSyncError(f"tensor {t.name}: {numel} x {t.dtype} at offset {t.offset} lies outside the "
+                                  f"{len(buf)}-byte stream; the manifest is inconsistent")
         x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
         out[t.name] = x.clone() if copy else x
     return out
@@ -214,7 +218,7 @@ async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s
     in the manifest's dtypes and shapes."""
     if window < 1 or max_retries < 0 or timeout_s <= 0:
         raise ValueError("window >= 1, max_retries >= 0 and timeout_s > 0 are required")
-    buf = (buffer or DEFAULT_BUFFER).take(manifest.total_bytes)
+    buf = (buffer or ReceiveBuffer()).take(manifest.total_bytes)
     if manifest.chunks:
         await _Pull(sock, manifest, buf, timeout_s, window, max_retries).run()
     return tensors_from_buffer(buf, manifest, copy=copy)

@@ -8,6 +8,7 @@ JSON (DESIGN.md §8, a stable interface): ``{"machine": {...}, "results": [{"nam
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -35,12 +36,14 @@ class Result:
 
 
 def result(name: str, value: float, unit: str, baseline: str, baseline_value: float, *, target: float | None = None, lower_is_better: bool = False) -> Result:
-    """Build a Result with the ratio oriented so that higher is better."""
-    if lower_is_better:
-        ratio = baseline_value / value if value > 0 else float("inf")
-    else:
-        ratio = value / baseline_value if baseline_value > 0 else float("inf")
-    ok = None if target is None else bool(ratio >= target)
+    """Build a Result with the ratio oriented so that higher is better.
+
+    A zero, negative or non-finite denominator means a measurement failed (nothing ran,
+    or the clock did not move): the ratio is NaN and the figure is never ``ok``."""
+    num, den = (baseline_value, value) if lower_is_better else (value, baseline_value)
+    measured = math.isfinite(num) and math.isfinite(den) and den > 0 and num >= 0
+    ratio = num / den if measured else float("nan")
+    ok = None if target is None else bool(measured and ratio >= target)
     return Result(name, float(value), unit, baseline, float(baseline_value), float(ratio), target, ok)
 
 

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> list[Result]:
         cfg.algo.micro_batch_tokens = 1 << 20  # the whole batch in one micro-batch, as the baseline
         variants = {
             "auto": Trainer(cfg, path).train_step,
-            "extra": Trainer(cfg, path, prox_forward="extra").train_step,
+            "extra": Trainer(_with_prox(cfg, "extra"), path).train_step,
         }
         base = _baseline(path, groups, cfg.algo.lr)
         times: dict[str, list[float]] = {"auto": [], "extra": [], "base": []}
@@ -112,3 +112,12 @@ def run(args: argparse.Namespace) -> list[Result]:
         result("learner_step_tokens_per_s", tps["auto"], "tokens/s", desc, tps["base"], target=0.9),
         result("learner_step_extra_prox", tps["extra"], "tokens/s", desc + " (extra proximal forward)", tps["base"]),
     ]
+
+
+def _with_prox(cfg, mode: str):
+    """A copy of ``cfg`` with ``algo.prox_forward = mode``."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    out.algo.prox_forward = mode
+    return out

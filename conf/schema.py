@@ -200,6 +200,11 @@ class AlgoConfig:
     loss_agg: str = "token_mean"
     """``token_mean`` (every loss token weighs the same) or ``seq_mean_token_mean`` (every
     episode weighs the same; not applied to ``ppo``)."""
+    prox_forward: str = "auto"
+    """How the trainer gets ``pi_prox``: ``auto`` reuses the step's own forward (exact, as
+    every batch gets one optimizer step), ``extra`` runs a separate no-grad forward first
+    (the same numbers at ~1.5x the compute; a cross-check, and the hook for several updates
+    per batch)."""
 
     def __post_init__(self) -> None:
         _require(self.name in ALGOS, "algo.name", f"{self.name!r}; choose one of {sorted(ALGOS)}")
@@ -209,6 +214,7 @@ class AlgoConfig:
         _require(self.behaviour_cap >= 1, "algo.behaviour_cap", "must be >= 1")
         _require(self.micro_batch_tokens > 0, "algo.micro_batch_tokens", "must be > 0")
         _require(self.loss_agg in ("token_mean", "seq_mean_token_mean"), "algo.loss_agg", f"{self.loss_agg!r}; choose token_mean or seq_mean_token_mean")
+        _require(self.prox_forward in ("auto", "extra"), "algo.prox_forward", f"{self.prox_forward!r}; choose auto or extra")
 
 
 ALGOS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "sft"})
@@ -293,6 +299,11 @@ class ActorConfig:
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
     env_url: str = ""
     """Override the env server URL the learner announces (e.g. a host-local envhub)."""
+    verify_weights: bool = True
+    """After every swap, checksum the engine's weights against the pulled bytes (engines
+    that can: ``hf``); a mismatch (torn or corrupted weights) is counted as
+    ``torn_weights``, logged, and the version pulled again.  Costs one checksum pass over
+    the model per version (crc32c runs at memory-copy speed)."""
 
 
 @dataclass(kw_only=True)

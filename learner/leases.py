@@ -26,9 +26,20 @@ Intake decides, in this order (the first that applies is the drop reason):
 ``expired``       the lease expired (its task went to another lease);
 ``mismatch``      the group does not echo its lease (task, turn limit, group size);
 ``failed``        the actor reported the group failed (its task is re-issued);
+``invalid``       the group decodes but is semantically bad for this run
+                  (``learner.validation``: token ids outside the vocabulary, non-finite
+                  rewards or log-probs, positive log-probs, longer than the context, loss
+                  mask on prompt tokens, versions in the future); its task is re-issued;
 ``stale``         oldest sampled token's version is more than ``max_staleness`` behind
-                  the current version (backstop; the task is *not* re-issued, it was
-                  played, and re-issuing could loop forever under a slow actor).
+                  the current version; its task is re-issued.
+
+Staleness at training time.  A group accepted at version ``v`` may wait in the ready
+buffer while the learner publishes ``v+1``, ``v+2``...  ``form_batch`` re-checks every
+group when a batch is formed, against the version the batch trains at, and drops (and
+re-issues) the ones now stale, so no group is ever *trained* more than ``max_staleness``
+versions after its oldest token was sampled.  A dropped group gives its admission slot
+back (``accepted`` counts groups trained or still ready).  Staleness is never negative:
+intake rejects versions in the future as ``invalid``.
 
 Turn limits: every lease is stamped with the limit in force at issue; a group carries
 its lease's limit for all its episodes (groups never mix limits).  A group leased under
@@ -47,9 +58,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from learner.tasks import TaskStream
+from learner.validation import GroupLimits, find_problem
 from protocol.messages import Lease, Task, TrajectoryGroup
 
-DROP_REASONS = ("unknown_lease", "duplicate", "expired", "mismatch", "failed", "stale")
+DROP_REASONS = ("unknown_lease", "duplicate", "expired", "mismatch", "failed", "invalid", "stale")
 
 
 @dataclass(slots=True)
@@ -71,6 +83,18 @@ class IntakeResult:
     """Current version minus the oldest sampled-token version (-1 when not computed)."""
     lease: Lease | None = None
     """The lease the group answered, when known."""
+    problem: str = ""
+    """For ``invalid``: the field and what is wrong with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """An accepted group waiting for a batch."""
+
+    group: TrajectoryGroup
+    lease: Lease
+    oldest: int
+    """Oldest sampled-token version of the group (its staleness is ``version - oldest``)."""
 
 
 def oldest_version(group: TrajectoryGroup, default: int) -> int:
@@ -99,6 +123,8 @@ class LeaseManager:
     """Current policy version; the service sets it on every publication."""
     turn_limit: int = 10
     """Turn limit stamped on new leases; the service sets it from the schedule."""
+    limits: GroupLimits = field(default_factory=GroupLimits)
+    """What a group must respect to be valid (vocabulary, context)."""
     accepted: int = 0
     remember: int = 100_000
     """How many finished/expired lease ids are remembered for duplicate/expired answers."""
@@ -207,11 +233,37 @@ class LeaseManager:
         if group.failed:
             self.stream.reissue(lease.task)
             return IntakeResult(False, "failed", lease=lease)
+        problem = find_problem(group, self.limits, self.version)
+        if problem:
+            self.stream.reissue(lease.task)
+            return IntakeResult(False, "invalid", lease=lease, problem=problem)
         staleness = self.version - oldest_version(group, lease.policy_version)
         if staleness > self.max_staleness:
+            self.stream.reissue(lease.task)
             return IntakeResult(False, "stale", staleness, lease)
         self.accepted += 1
         return IntakeResult(True, "", staleness, lease)
+
+    def ready(self, group: TrajectoryGroup, result: IntakeResult) -> Ready:
+        """The buffer entry of an accepted group."""
+        assert result.accepted and result.lease is not None
+        return Ready(group, result.lease, self.version - result.staleness)
+
+    def form_batch(self, ready: list[Ready], size: int) -> tuple[list[Ready], list[Ready], list[Ready]]:
+        """Split ``ready`` (arrival order) into ``(batch, rest, stale)`` at the current version.
+
+        Groups now more than ``max_staleness`` versions old go to ``stale``: their tasks are
+        re-issued and their admission slots freed.  ``batch`` holds the first ``size`` fresh
+        groups (fewer if there are not enough: the caller waits for more and calls again)."""
+        fresh, stale = [], []
+        for r in ready:
+            (stale if self.version - r.oldest > self.max_staleness else fresh).append(r)
+        for r in stale:
+            self.accepted -= 1
+            self.stream.reissue(r.lease.task)
+        if len(fresh) < size:
+            return [], fresh, stale
+        return fresh[:size], fresh[size:], stale
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, trained_groups: int, untrained: Iterable[Task] = ()) -> dict[str, Any]:

@@ -52,7 +52,12 @@ class LossMetrics:
 
     tokens: float = 0.0
     loss_sum: float = 0.0
-    clipped_sum: float = 0.0
+    outside_clip_sum: float = 0.0
+    """Tokens whose behaviour ratio ``pi_prox / mu`` lies outside ``[1 - clip_low, 1 +
+    clip_high]``: how far the batch is off-policy, measured on the clip's scale.  (The
+    trust-region clip on ``pi_theta / pi_prox`` itself never binds here: with one
+    optimizer step per batch that ratio is 1 at the forward, so its clip fraction is 0 by
+    construction and is not reported.)"""
     weight_sum: float = 0.0
     weight_max: float = 0.0
     truncated_sum: float = 0.0
@@ -65,7 +70,7 @@ class LossMetrics:
 
     def merge(self, other: "LossMetrics") -> "LossMetrics":
         out = LossMetrics()
-        for name in ("tokens", "loss_sum", "clipped_sum", "weight_sum", "truncated_sum", "kl_behaviour_sum",
+        for name in ("tokens", "loss_sum", "outside_clip_sum", "weight_sum", "truncated_sum", "kl_behaviour_sum",
                      "kl_ref_sum", "entropy_sum", "seq_total", "seq_masked"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.weight_max = max(self.weight_max, other.weight_max)
@@ -76,7 +81,7 @@ class LossMetrics:
         n = max(self.tokens, 1.0)
         return {
             "policy_loss": self.loss_sum / n,
-            "clip_fraction": self.clipped_sum / n,
+            "behaviour_outside_clip_fraction": self.outside_clip_sum / n,
             "behaviour_weight_mean": self.weight_sum / n,
             "behaviour_weight_max": self.weight_max,
             "truncated_fraction": self.truncated_sum / n,
@@ -163,7 +168,7 @@ def ppo_loss(
         metrics = LossMetrics(
             tokens=tokens,
             loss_sum=float((per_token.detach()).sum()),
-            clipped_sum=float(((clipped > unclipped) & m).sum()),
+            outside_clip_sum=float((((raw_w < 1.0 - cfg.clip_low) | (raw_w > 1.0 + cfg.clip_high)) & m).sum()),
             weight_sum=float((w * mask).sum()),
             weight_max=float(raw_w[m].max()) if tokens else 0.0,
             truncated_sum=float(((raw_w > cfg.behaviour_cap) & m).sum()),
@@ -190,19 +195,13 @@ def value_loss(
     returns_BT: torch.Tensor,
     mask_BT: torch.Tensor,
     num_tokens: float,
-    old_values_BT: torch.Tensor | None = None,
-    clip: float | None = None,
 ) -> torch.Tensor:
-    """PPO critic loss ``0.5 * (V - R)^2`` summed over loss-mask tokens / ``num_tokens``;
-    with ``old_values_BT`` and ``clip``, the clipped form ``0.5 * max((V-R)^2,
-    (clip(V, V_old - clip, V_old + clip) - R)^2)``."""
+    """PPO critic loss ``0.5 * (V - R)^2`` summed over loss-mask tokens / ``num_tokens``.
+    (No value clipping: with one optimizer step per batch the critic never moves away from
+    its pre-step values within a batch, so a clip around them would never bind.)"""
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
     R = returns_BT.detach().to(values_BT.dtype)
     err = (values_BT - R) ** 2
-    if old_values_BT is not None and clip is not None:
-        old = old_values_BT.detach().to(values_BT.dtype)
-        v_clip = old + (values_BT - old).clamp(-clip, clip)
-        err = torch.maximum(err, (v_clip - R) ** 2)
     err = torch.where(mask_BT > 0, err, torch.zeros_like(err))
     return 0.5 * err.sum() / num_tokens

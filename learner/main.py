@@ -120,6 +120,7 @@ async def run(cfg: Config) -> int:
         trainer=trainer, publisher=publisher, weights=lambda: trainer.state_dict_for_publish(lc.transfer_dtype),
         schedule=schedule, checkpointer=TrainerCheckpointer(trainer, os.path.join(lc.dir, "checkpoints"), schedule, lc.keep_checkpoints),
         logger=logger, trajlog=trajlog, model_path=model_path,
+        vocab_size=int(trainer.hf_model.get_input_embeddings().num_embeddings),
     )
     service = LearnerService(cfg, parts)
     try:

@@ -103,13 +103,6 @@ def record_trained(m: StepMetrics, group: Any, staleness: int) -> None:
             m.add(f"env/{env}/{cat}/success", float(ep.success))
 
 
-def record_group(m: StepMetrics, group: Any, accepted: bool, reason: str, staleness: int) -> None:
-    """Intake counters, plus episode statistics when ``accepted`` (both at once)."""
-    record_intake(m, accepted, reason)
-    if accepted:
-        record_trained(m, group, staleness)
-
-
 def record_train(m: StepMetrics, train_metrics: Mapping[str, float]) -> None:
     """Trainer output as ``loss/...`` (keys already namespaced keep their namespace)."""
     for k, v in train_metrics.items():

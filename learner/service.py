@@ -11,18 +11,31 @@ One trio nursery holds four named tasks under ``LearnerService.serve``:
   subscription exists).
 - ``expiry``: expires leases whose deadline passed (their tasks are re-issued) and
   forgets actors silent for ``max(3 heartbeats, lease_ttl_s)`` (they must Hello again).
-- ``train``: whenever ``groups_per_step`` accepted groups are buffered, runs one
-  optimizer step in a worker thread (``trio.to_thread.run_sync``), so control messages
-  are answered while the model trains.  Ordering after each step:
+- ``train``: whenever ``groups_per_step`` accepted groups are ready, forms a batch
+  (``LeaseManager.form_batch``: groups that became stale while they waited are dropped
+  as ``stale`` and their tasks re-issued, so staleness holds *at training time*) and runs
+  one optimizer step in a worker thread (``trio.to_thread.run_sync``), so control
+  messages are answered while the model trains.  A step the trainer refused (non-finite
+  loss or gradient: the weights are unchanged, ``step`` does not advance) is counted
+  and neither publishes nor checkpoints.  Ordering after each step:
 
   1. metrics of the step are reduced and written;
-  2. every ``publish_every`` steps: the state dict is gathered and handed to the
-     weight publisher (its own thread and socket), *then* ``version`` advances, *then*
-     the announcement goes out, *then* admission widens (``LeaseManager.version``) —
-     so no lease ever names a version whose weights cannot be pulled;
-  3. the turn limit for new leases is the schedule's limit at the new step;
+  2. the turn limit for new leases becomes the schedule's limit at the new step;
+  3. every ``publish_every`` steps: granting pauses, the state dict is gathered and
+     handed to the weight publisher (its own thread and socket), *then* ``version``
+     advances, *then* the announcement goes out, *then* admission widens
+     (``LeaseManager.version``) and granting resumes — so no lease ever names a version
+     whose weights cannot be pulled, nor an outdated turn limit or version;
   4. every ``checkpoint_every`` steps (and after the last) a checkpoint is written
      with the task cursor, version and lease state in ``extra``.
+
+Intake (``_group``): the group is validated and, when accepted, buffered *before*
+anything is written about it; a trajectory-log failure costs the log line (counted as
+``rollout/trajlog_errors``), never the group.
+
+Identity: ``run_id`` names the run (kept across resumes); ``incarnation`` names this
+learner process (new on every start, sent in every ``PolicyAnnouncement``), so actors
+drop weights that a previous incarnation published under the same version numbers.
 
   After ``learner.steps`` steps the service publishes ``Shutdown`` (a few times, PUB is
   lossy), keeps answering control messages for ``linger_s`` (so actors say goodbye),
@@ -45,10 +58,11 @@ import trio
 import zmq
 
 from conf.schema import Config
-from learner.leases import LeaseManager
+from learner.leases import LeaseManager, Ready
 from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
 from learner.trajlog import NullTrajectoryLog
+from learner.validation import GroupLimits
 from protocol import codec
 from protocol.errors import ProtocolError, TransportError
 from protocol.messages import (
@@ -122,6 +136,8 @@ class ServiceParts:
     logger: Any = field(default_factory=NullLogger)
     trajlog: Any = field(default_factory=NullTrajectoryLog)
     model_path: str = ""
+    vocab_size: int = 0
+    """Rows of the model's input embedding: received token ids must be below it (0: unchecked)."""
 
 
 class LearnerService:
@@ -139,13 +155,16 @@ class LearnerService:
             stream=TaskStream(self.tasks, seed=lc.seed), group_size=cfg.algo.group_size,
             groups_per_step=lc.groups_per_step, max_staleness=lc.max_staleness, ttl_s=lc.lease_ttl_s,
             publish_every=lc.publish_every, seed=lc.seed,
+            limits=GroupLimits(vocab_size=parts.vocab_size, max_tokens=cfg.sampling.max_context_tokens),
         )
         self.run_id = uuid.uuid4().hex[:12]
+        self.incarnation = uuid.uuid4().hex[:12]
         self.version = 0
         self.trained_groups = 0
-        self.buffer: list[TrajectoryGroup] = []
-        self._staleness: dict[str, int] = {}
-        """lease id -> staleness at intake, for buffered groups."""
+        self.buffer: list[Ready] = []
+        """Accepted groups waiting for a batch, in arrival order."""
+        self.publishing = False
+        """True while a publication is in progress: no leases are granted meanwhile."""
         self.manifest: WeightManifest | None = None
         self.actors: dict[str, ActorInfo] = {}
         self.metrics = StepMetrics()
@@ -172,7 +191,8 @@ class LearnerService:
         return int(self.parts.schedule.limit_at(self.step))
 
     def announcement(self) -> PolicyAnnouncement:
-        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.step, manifest=self.manifest)
+        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.step, manifest=self.manifest,
+                                  incarnation=self.incarnation)
 
     def restore(self) -> bool:
         """Resume from the newest checkpoint (``learner.resume``); True when one was found."""
@@ -195,7 +215,7 @@ class LearnerService:
         return {
             "step": self.step, "version": self.version, "turn_limit": self.turn_limit, "run_id": self.run_id,
             "trained_groups": self.trained_groups,
-            "leases": self.leases.state(self.trained_groups, untrained=[g.task for g in self.buffer]),
+            "leases": self.leases.state(self.trained_groups, untrained=[r.lease.task for r in self.buffer]),
         }
 
     # ------------------------------------------------------------------ serve
@@ -226,11 +246,15 @@ class LearnerService:
             self._ctx.term()
 
     async def _publish_weights(self, version: int) -> None:
-        sd = await trio.to_thread.run_sync(self.parts.weights)
-        self.manifest = await trio.to_thread.run_sync(self.parts.publisher.publish, version, sd)
-        self.version = version
-        await self._announce()
-        self.leases.version = version
+        self.publishing = True
+        try:
+            sd = await trio.to_thread.run_sync(self.parts.weights)
+            self.manifest = await trio.to_thread.run_sync(self.parts.publisher.publish, version, sd)
+            self.version = version
+            await self._announce()
+            self.leases.version = version
+        finally:
+            self.publishing = False
 
     async def _announce(self) -> None:
         try:
@@ -262,19 +286,43 @@ class LearnerService:
         lc = self.cfg.learner
         gps = lc.groups_per_step
         while self.step < lc.steps:
-            while len(self.buffer) < gps:
-                self._have_groups = trio.Event()
-                await self._have_groups.wait()
-            batch, self.buffer = self.buffer[:gps], self.buffer[gps:]
+            batch = await self._next_batch(gps)
             async with self.train_lock:
                 if lc.debug_step_delay_s > 0:
                     await trio.sleep(lc.debug_step_delay_s)  # tests/benchmarks: a slow learner
+                before = self.step
                 await self._train_one(batch)
+                if self.step == before:
+                    continue  # refused (non-finite) or nothing trainable: same weights, nothing to publish
+                self.leases.turn_limit = self.turn_limit
                 if self.step % lc.publish_every == 0:
                     await self._publish_weights(self.version + 1)
-                self.leases.turn_limit = self.turn_limit
                 if self.step % lc.checkpoint_every == 0 or self.step >= lc.steps:
                     await self.save_checkpoint()
+
+    async def _next_batch(self, size: int) -> list[Ready]:
+        """Wait for ``size`` groups that are fresh at the current version (see ``form_batch``)."""
+        while True:
+            batch, self.buffer, stale = self.leases.form_batch(self.buffer, size)
+            for r in stale:
+                self.metrics.add("rollout/groups_dropped/stale", 1, "sum")
+                self._ledger(r, "stale", self.step + 1)
+                log.info("group %s (sampled at v%d) dropped as stale at v%d; task %s re-issued", r.lease.lease_id,
+                         r.oldest, self.version, r.lease.task.data_idx)
+            if batch:
+                return batch
+            self._have_groups = trio.Event()
+            await self._have_groups.wait()
+
+    def _ledger(self, r: Ready, outcome: str, step: int) -> None:
+        """One line per group that left the ready buffer for optimizer step ``step`` (1-based):
+        trained in it, or dropped."""
+        try:
+            self.parts.trajlog.write_batch_entry(r.group, step=step, version=self.version,
+                                                 staleness=self.version - r.oldest, outcome=outcome)
+        except Exception as exc:  # the log line is lost, never the data
+            self.metrics.add("rollout/trajlog_errors", 1, "sum")
+            log.warning("training ledger write failed for %s: %s", r.lease.lease_id, exc)
 
     async def save_checkpoint(self) -> None:
         """Checkpoint the current step (once per step; no-op without a checkpointer)."""
@@ -284,17 +332,30 @@ class LearnerService:
         await trio.to_thread.run_sync(self.parts.checkpointer.save, self.step, extra)
         self.last_checkpoint_step = self.step
 
-    async def _train_one(self, batch: list[TrajectoryGroup]) -> None:
+    async def _train_one(self, ready: list[Ready]) -> None:
+        batch = [r.group for r in ready]
         t0 = time.monotonic()
+        before = self.step
         out = await trio.to_thread.run_sync(self.parts.trainer.train_step, batch)
         t1 = time.monotonic()
+        m = self.metrics
+        record_train(m, out)
+        if self.step == before:  # refused: non-finite loss/gradient, or nothing trainable
+            why = "nonfinite" if out.get("train/nonfinite") else "empty"
+            m.add(f"train/steps_skipped/{why}", 1, "sum")
+            for r in ready:  # their admission slots come back (else a synchronous run would stall)
+                self.leases.accepted -= 1
+                if why == "nonfinite":  # the data was valid: play the task again
+                    self.leases.stream.reissue(r.lease.task)
+                self._ledger(r, f"skipped_{why}", before + 1)
+            log.warning("step %d not taken (%s); the weights are unchanged", self.step + 1, why)
+            return
         self.trained_groups += len(batch)
         tokens = sum(int(np.asarray(ep.loss_mask).sum()) for g in batch for ep in g.episodes)
         wall = max(t1 - self._last_step_end, 1e-9)
-        m = self.metrics
-        record_train(m, out)
-        for g in batch:
-            record_trained(m, g, self._staleness.pop(g.lease_id, -1))
+        for r in ready:
+            self._ledger(r, "trained", self.step)
+            record_trained(m, r.group, self.version - r.oldest)
         m.add("perf/step_time_s", t1 - t0, "last")
         m.add("perf/tokens_trained", tokens, "sum")
         m.add("perf/tokens_trained_per_s", tokens / max(t1 - t0, 1e-9), "last")
@@ -401,6 +462,8 @@ class LearnerService:
         self.actors[msg.actor_id].last_seen = now
         if self.stopping or msg.max_leases < 1:
             return LeaseGrant(leases=[], retry_after_s=1.0)
+        if self.publishing:
+            return LeaseGrant(leases=[], retry_after_s=0.1)
         leases = self.leases.grant(msg.actor_id, msg.max_leases, now)
         for lease in leases:
             log.info("lease %s (task %s, turn limit %d, version %d) granted to actor %s", lease.lease_id,
@@ -414,13 +477,18 @@ class LearnerService:
         lease_s = now - live.issued_at if live is not None else -1.0
         r = self.leases.intake(group, now)
         record_intake(self.metrics, r.accepted, r.reason)
-        self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted, drop_reason=r.reason,
-                                       lease_s=lease_s)
-        if r.accepted:
-            self.buffer.append(group)
-            self._staleness[group.lease_id] = r.staleness
+        if r.accepted:  # buffer first: from here on the group is owned by the learner
+            self.buffer.append(self.leases.ready(group, r))
             if len(self.buffer) >= self.cfg.learner.groups_per_step:
                 self._have_groups.set()
+        elif r.reason == "invalid":
+            log.warning("group %s from actor %s dropped as invalid: %s", group.lease_id, group.actor_id[:64], r.problem)
         else:
-            log.info("group %s from %s dropped: %s", group.lease_id, group.actor_id, r.reason)
+            log.info("group %s from %s dropped: %s", group.lease_id, group.actor_id[:64], r.reason)
+        try:  # log second: a failure here costs the log line, never the group
+            self.parts.trajlog.write_group(group, step=self.step, version=self.version, accepted=r.accepted,
+                                           drop_reason=r.reason, lease_s=lease_s)
+        except Exception as exc:
+            self.metrics.add("rollout/trajlog_errors", 1, "sum")
+            log.warning("trajectory log write failed for group %s: %s: %s", group.lease_id, type(exc).__name__, exc)
         return GroupAck(lease_id=group.lease_id, accepted=r.accepted, reason=r.reason)

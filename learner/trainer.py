@@ -15,13 +15,16 @@ One ``train_step(groups)`` is ONE optimizer step, in this order:
 3. micro-batches by token budget (``learner.batching``); for each: forward, log-probs
    (``learner.logprobs`` convention, ``sampling.temperature``), decoupled-PPO loss
    normalised by the whole batch's loss-token count (``learner.loss``), backward;
-4. clip grad norm, optimizer step, LR step, ``step += 1``.
+4. clip grad norm, optimizer step, LR step, ``step += 1`` — unless the gradient norm is
+   not finite (a NaN/inf loss or gradient): then the gradients are discarded, the weights,
+   optimizer state and LR schedule stay as they were, ``step`` does not advance and the
+   metrics say ``train/nonfinite = 1``.  No NaN ever reaches the published weights.
 
-``pi_prox`` is the policy before the step.  With ``prox_forward="extra"`` it is computed by
+``pi_prox`` is the policy before the step.  With ``algo.prox_forward=extra`` it is computed by
 one extra no-grad forward over the batch at the start of the step (needed whenever a
 batch gets more than one optimizer update).  Since a step here is exactly one update,
 every micro-batch's forward runs on the pre-step weights, so the detached log-probs of
-that same forward ARE ``pi_prox``, bit for bit: ``prox_forward="auto"`` (default) reuses
+that same forward ARE ``pi_prox``, bit for bit: ``algo.prox_forward=auto`` (default) reuses
 them and saves a third of the step's compute.  Both give the same step (tested).
 
 Several ranks (``accelerate launch``): each rank calls ``train_step`` with its share of
@@ -124,15 +127,13 @@ def _reset_accelerate_if_changed(cpu: bool, mp: str) -> None:
 class Trainer:
     """See the module docstring.  ``step`` counts completed optimizer steps."""
 
-    def __init__(self, cfg: Any, model_path: str, *, prox_forward: str = "auto", total_steps: int | None = None) -> None:
+    def __init__(self, cfg: Any, model_path: str, *, total_steps: int | None = None) -> None:
         from accelerate.utils import set_seed
         from transformers import AutoModelForCausalLM
 
-        if prox_forward not in ("auto", "extra"):
-            raise ValueError(f"prox_forward must be 'auto' or 'extra', got {prox_forward!r}")
         self.cfg = cfg
         self.algo = cfg.algo
-        self.prox_forward = prox_forward
+        self.prox_forward = cfg.algo.prox_forward
         self.temperature = float(cfg.sampling.temperature)
         self.total_steps = int(total_steps if total_steps is not None else cfg.learner.steps)
         self.step = 0
@@ -442,6 +443,9 @@ class Trainer:
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.accelerator.clip_grad_norm_(self.params, self.algo.grad_clip if self.algo.grad_clip > 0 else float("inf"))
+        if not math.isfinite(float(grad_norm)):  # every rank sees the same (synchronised) norm
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"train/nonfinite": 1.0, "loss/lr": float(lr)}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -13,10 +13,10 @@ episodes of one group are consecutive lines.  One line::
       "episode": int,         index of the episode in its group, from 0
       "group_size": int,      episodes in the group
       "turn_limit": int,      turn limit in force for the lease
-      "finish_reason": str,   done | turn_limit | context_limit | env_error | aborted | render_error
+      "finish_reason": str,   done | truncated | turn_limit | context_limit | env_error | aborted | render_error
       "reward": float, "success": bool,
       "accepted": bool,       whether the group entered training
-      "drop_reason": str,     "" when accepted, else unknown_lease | duplicate | expired | mismatch | failed | stale
+      "drop_reason": str,     "" when accepted, else unknown_lease | duplicate | expired | mismatch | failed | invalid | stale
       "lease_s": float,       seconds from the lease's grant to the group's arrival (learner clock); -1 if unknown
       "num_turns": int,
       "num_tokens": int,      tokens in the whole stream (prompt, outputs, observations)
@@ -32,6 +32,18 @@ episodes of one group are consecutive lines.  One line::
     }
 
 Lines are flushed per group, so a viewer can tail the file while the run goes on.
+
+``<dir>/batches.jsonl``: the training ledger, one line per accepted group when it leaves
+the ready buffer (``LearnerService``), in order::
+
+    {"step": int,        the optimizer step (1-based) the batch was formed for; for "trained", the
+                         step that trained it (in a checkpoint of step s iff step <= s)
+     "version": int,     policy version the batch trained at
+     "lease_id": str, "actor_id": str, "env": str, "data_idx": int,
+     "staleness": int,   version - oldest sampled-token version, at training time
+     "outcome": str}     trained | stale | skipped_nonfinite | skipped_empty
+
+A lease id appears at most once with ``trained``; ``stale`` groups' tasks were re-issued.
 """
 
 from __future__ import annotations
@@ -89,6 +101,13 @@ class TrajectoryLog:
         self.path = os.path.join(run_dir, "trajectories.jsonl")
         self.decode = decode
         self._f = open(self.path, "a", encoding="utf-8")
+        self._ledger = open(os.path.join(run_dir, "batches.jsonl"), "a", encoding="utf-8")
+
+    def write_batch_entry(self, group: TrajectoryGroup, *, step: int, version: int, staleness: int, outcome: str) -> None:
+        rec = {"step": step, "version": version, "lease_id": group.lease_id, "actor_id": group.actor_id,
+               "env": group.task.env, "data_idx": group.task.data_idx, "staleness": staleness, "outcome": outcome}
+        self._ledger.write(json.dumps(rec) + "\n")
+        self._ledger.flush()
 
     def write_group(self, group: TrajectoryGroup, *, step: int, version: int, accepted: bool, drop_reason: str = "",
                     lease_s: float = -1.0) -> None:
@@ -100,10 +119,14 @@ class TrajectoryLog:
 
     def close(self) -> None:
         self._f.close()
+        self._ledger.close()
 
 
 class NullTrajectoryLog:
     def write_group(self, group: TrajectoryGroup, **kw: Any) -> None:
+        pass
+
+    def write_batch_entry(self, group: TrajectoryGroup, **kw: Any) -> None:
         pass
 
     def close(self) -> None:

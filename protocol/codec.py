@@ -49,8 +49,9 @@ _WIRE_DTYPES = {d.str: d for d in _ALLOWED_DTYPES}
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Decoding limits; anything larger is a ``ProtocolError``.  Sockets also set ZeroMQ's
-    ``MAXMSGSIZE`` from ``max_message_bytes`` so oversize messages never reach Python."""
+    """Decoding limits; anything larger is a ``ProtocolError``, checked before decoding.
+    Sockets also set ZeroMQ's ``MAXMSGSIZE`` (``SocketLimits``), which stops an oversize
+    *frame* before Python sees it; the total of a multipart message is checked here."""
 
     max_message_bytes: int = 1 << 30
     """Sum of all frames of one message."""

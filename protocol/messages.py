@@ -36,16 +36,18 @@ import numpy as np
 
 from protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped on every incompatible change; a message with another version is rejected."""
 
 FINISH_REASONS = frozenset(
-    {"done", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
+    {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
 )
-"""Why an episode ended.  Only ``done``, ``turn_limit`` and ``context_limit`` episodes
-are trainable; a group holding any other is reported ``failed`` and never trained on."""
+"""Why an episode ended.  Only ``done`` (terminal), ``truncated`` (the env's own time
+limit), ``turn_limit`` and ``context_limit`` episodes are trainable; a group holding any
+other is reported ``failed`` and never trained on.  Every trainable reason but ``done``
+is a cut, not a terminal state (value bootstrapping)."""
 
-TRAINABLE_FINISH_REASONS = frozenset({"done", "turn_limit", "context_limit"})
+TRAINABLE_FINISH_REASONS = frozenset({"done", "truncated", "turn_limit", "context_limit"})
 
 
 def array_field(dtype: str, ndim: int = 1) -> Any:
@@ -128,6 +130,10 @@ class EnvEndpoint:
 # ----------------------------------------------------------------------------- weights
 
 
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
+"""Bytes per element of every dtype a weight tensor may travel in."""
+
+
 @record
 class TensorInfo:
     """Where one tensor lives in the concatenated, chunked weight bytes."""
@@ -178,7 +184,9 @@ class WeightManifest:
 
     def check(self) -> None:
         pos = 0
-        for c in self.chunks:
+        for i, c in enumerate(self.chunks):
+            if c.index != i:
+                _fail("WeightManifest.chunks", f"chunk at position {i} says index {c.index}")
             if c.offset != pos or c.nbytes < 0:
                 _fail("WeightManifest.chunks", f"chunk {c.index} does not tile the stream")
             pos += c.nbytes
@@ -187,6 +195,17 @@ class WeightManifest:
         for t in self.tensors:
             if t.offset < 0 or t.offset + t.nbytes > self.total_bytes:
                 _fail("WeightManifest.tensors", f"{t.name} lies outside the stream")
+            size = DTYPE_SIZES.get(t.dtype)
+            if size is None:
+                _fail("WeightManifest.tensors", f"{t.name}: unknown dtype {t.dtype!r} (one of {sorted(DTYPE_SIZES)})")
+            numel = 1
+            for d in t.shape:
+                if d < 0:
+                    _fail("WeightManifest.tensors", f"{t.name}: negative dimension in shape {t.shape}")
+                numel *= d
+            if numel * size != t.nbytes:
+                _fail("WeightManifest.tensors", f"{t.name}: shape {t.shape} x {t.dtype} is {numel * size} bytes, "
+                      f"nbytes says {t.nbytes}")
 
 
 @record
@@ -201,6 +220,11 @@ class PolicyAnnouncement:
     """Learner optimizer step at publication."""
     manifest: WeightManifest | None = None
     """How to pull the weights; ``None`` when only the turn limit changed."""
+    incarnation: str = ""
+    """Identifies the learner *process* that published these weights: a fresh random id per
+    start, also after a resume (``run_id`` survives resumes).  ``(incarnation, version)``
+    names one set of weights; an actor whose weights carry another incarnation drops them
+    and pulls (a resumed learner may reuse a version number for other weights)."""
 
 
 @record
@@ -255,7 +279,8 @@ class Welcome:
     """The run's settings, everything an actor needs to start working."""
 
     run_id: str
-    """Identifies the learner run; changes when a new run starts (not on resume)."""
+    """Identifies the learner run; changes when a new run starts (not on resume).
+    ``policy.incarnation`` identifies the learner process (changes on every start)."""
     actor_id: str
     """Echo of ``Hello.actor_id``."""
     model_path: str

@@ -41,7 +41,10 @@ class SocketLimits:
     """Options applied to every socket."""
 
     max_message_bytes: int = 1 << 30
-    """ZeroMQ ``MAXMSGSIZE``: a peer sending more is disconnected before Python sees it."""
+    """ZeroMQ ``MAXMSGSIZE``, which bounds each *frame*: a peer sending a larger frame is
+    disconnected before Python sees it.  It does not bound a multipart message's total
+    (three frames just under the limit arrive); ``codec.decode`` checks the total
+    (``codec.Limits.max_message_bytes``) before decoding anything."""
     sndhwm: int = 1000
     """Outgoing queue bound, in messages."""
     rcvhwm: int = 1000

@@ -4,8 +4,9 @@ the real ``WeightPublisher`` for weights, run in a background thread with its ow
 It grants one lease per request (``group_size`` episodes, ``turn_limit`` turns, the current
 version), records every Hello, group, heartbeat and Goodbye, re-announces the current
 policy every ``announce_every_s``, and can be stopped and started again on the same ports
-(a learner restart: new ``run_id``, no memory of actors or leases; requests from an
-actor that has not said Hello since get ``not_registered``).
+(a learner restart resuming the same run, as the real learner does: the same ``run_id``
+and version numbers, a new ``incarnation``, no memory of actors or leases; requests from
+an actor that has not said Hello since get ``not_registered``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class StandInLearner:
         self.errors: list[str] = []
         self.leases: dict[str, Lease] = {}
         self._n = 0
+        self.run_id = uuid.uuid4().hex[:8]
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
@@ -66,7 +68,7 @@ class StandInLearner:
 
     # ------------------------------------------------------------------ test side
     def start(self) -> None:
-        self.run_id = uuid.uuid4().hex[:8]
+        self.incarnation = uuid.uuid4().hex[:8]
         self.registered: set[str] = set()  # a restarted learner knows no actor and no lease
         self.leases = {}
         self._ready.clear()
@@ -100,7 +102,8 @@ class StandInLearner:
 
     # ------------------------------------------------------------------ learner side
     def announcement(self) -> PolicyAnnouncement:
-        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.version, manifest=self.manifest)
+        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.version, manifest=self.manifest,
+                                  incarnation=self.incarnation)
 
     async def _serve(self) -> None:
         ctx = zmq.Context()
@@ -148,7 +151,7 @@ class StandInLearner:
             )
         if isinstance(msg, LeaseRequest):
             self._n += 1
-            lease = Lease(lease_id=f"{self.run_id}-{self._n}", task=Task(env="babyai", data_idx=self._n), group_size=self.group_size,
+            lease = Lease(lease_id=f"{self.incarnation}-{self._n}", task=Task(env="babyai", data_idx=self._n), group_size=self.group_size,
                           turn_limit=self.turn_limit, policy_version=self.version, ttl_s=30.0, seed=self._n)
             self.leases[lease.lease_id] = lease
             return LeaseGrant(leases=[lease], retry_after_s=0.0)

@@ -58,16 +58,19 @@ def test_actor_registers_pulls_swaps_survives_restart_and_stops_on_sigterm(tiny_
             assert all(sampled_versions(g) == {1} for g in v1)
             learner.wait_for(lambda: any(h.policy_version == 1 for h in learner.heartbeats), 30, "a heartbeat reporting version 1")
 
-            # the learner goes away and comes back (new run id): the actor re-registers
+            # the learner goes away and comes back resuming the same run (same run id, same
+            # version number, new incarnation): the actor re-registers and pulls again
             learner.stop()
             n_before = len(learner.groups)
-            time.sleep(2.0)
+            learner.wait_for(lambda: "learner lost" in open(log.name).read(), 60, "the actor noticing the lost learner")
             assert len(learner.groups) == n_before
             assert proc.poll() is None, "actor must survive a lost learner"
+            served = learner.publisher.served_chunks
             learner.start()
             learner.wait_for(lambda: len(learner.hellos) >= 2, 60, "a second Hello after the restart")
             assert {h.actor_id for h in learner.hellos} == {"test-actor"}
             learner.wait_for(lambda: len(learner.groups) >= n_before + 1, 60, "groups after the restart")
+            assert learner.publisher.served_chunks >= served + len(learner.manifest.chunks)  # v1 pulled again
 
             # SIGTERM: finish or abandon, say goodbye, exit 0 within the grace period + slack
             os.kill(proc.pid, signal.SIGTERM)

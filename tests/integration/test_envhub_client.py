@@ -1,5 +1,5 @@
 """EnvClient against real sockets: typed errors, the retry rule, and AgentGym-shaped servers
-(a stand-in reproducing the shapes of /work/shared/AGENTGYM.md, served by uvicorn on 127.0.0.1)."""
+(a stand-in reproducing the shapes of AgentGym's env servers, served by uvicorn on 127.0.0.1)."""
 
 from __future__ import annotations
 

@@ -25,3 +25,14 @@ def test_plot_results_writes_a_png_with_every_figure(tmp_path):
 def test_plot_results_handles_no_results(tmp_path):
     (path,) = plot_results([], str(tmp_path))
     assert os.path.getsize(path) > 0
+
+
+def test_a_zero_or_failed_baseline_never_reports_ok():
+    import math
+
+    for kw in ({"baseline_value": 0.0}, {"baseline_value": float("nan")}):
+        r = result("x", 5.0, "u", "b", target=0.5, **kw)
+        assert math.isnan(r.ratio) and r.ok is False
+    r = result("x", 0.0, "s", "b", 1.0, target=1.0, lower_is_better=True)
+    assert math.isnan(r.ratio) and r.ok is False
+    assert result("x", 2.0, "u", "b", 4.0, target=0.4).ok is True

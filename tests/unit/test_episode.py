@@ -168,3 +168,25 @@ def test_template_break_ends_the_episode_as_render_error():
     assert len(ep.turns) == 1 and len(engine.requests) == 1  # no prompt built from a broken template
     group = TrajectoryGroup(lease_id="l", actor_id="a", task=Task(env="babyai", data_idx=0), turn_limit=5, episodes=[ep], failed=True, error=ep.error)
     assert codec.decode(codec.encode(group)).episodes[0].finish_reason == "render_error"
+
+
+def test_an_env_time_limit_ends_the_episode_as_truncated_not_done(tok):
+    """The env's own time limit (``truncated`` on the wire) is a cut, not a terminal state:
+    the episode ends as ``truncated`` (trainable; GAE bootstraps there), never as ``done``."""
+    from actors.envpool import PooledSession
+
+    class TimeLimitClient:
+        async def create(self):
+            return 1
+
+        async def reset(self, env_id, data_idx):
+            return {"observation": "Your goal: win", "info": {}}
+
+        async def step(self, env_id, action):
+            return {"observation": "time is up", "reward": 0.0, "done": False, "truncated": True, "info": {}}
+
+        async def close(self, env_id):
+            return True
+
+    ep, _, _ = play(tok, ["Action: left"], env=PooledSession(TimeLimitClient(), 1))
+    assert ep.finish_reason == "truncated" and ep.trainable and len(ep.turns) == 1

@@ -272,3 +272,189 @@ def test_resume_restores_version_step_and_task_cursor():
     done = [first[l] for l in trainer.trained] + [second[l] for l in trainer2.trained]
     assert [t[0] for t in done] == [ref[l][0] for l in ref_trainer.trained]
     assert [second[l][1:] for l in trainer2.trained] == [(13, 2), (13, 2), (13, 3), (13, 3)]
+
+
+# ----------------------------------------------------------------------------- async-core invariants
+
+
+class GateTrainer(FakeTrainer):
+    """Blocks inside step number ``block_step`` (1-based) until ``gate`` is set."""
+
+    def __init__(self, block_step):
+        import threading
+
+        super().__init__()
+        self.block_step, self.gate, self.inside = block_step, threading.Event(), threading.Event()
+
+    def train_step(self, groups):
+        if self.step + 1 == self.block_step:
+            self.inside.set()
+            assert self.gate.wait(30)
+        return super().train_step(groups)
+
+
+async def _wait_for(cond, what, timeout_s=20):
+    with trio.fail_after(timeout_s):
+        while not cond():
+            await trio.sleep(0.01)
+
+
+def test_group_fresh_on_arrival_but_stale_when_its_batch_forms_is_dropped_counted_and_reissued():
+    """B is sampled at v0 and accepted at v1 (staleness 1 = the bound) while C's step runs;
+    C's step publishes v2, so B would train at staleness 2: it is dropped, counted, and its
+    task is the next one leased."""
+    cfg = make_cfg(**{"learner.steps": 3, "learner.max_staleness": 1, "learner.groups_per_step": 1})
+    trainer, rows = GateTrainer(block_step=2), []
+
+    class Rows:
+        def write(self, step, metrics):
+            rows.append(metrics)
+
+        def close(self):
+            pass
+
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(), logger=Rows())
+
+    async def script(svc, ctx):
+        req = await client(ctx, cfg)
+        await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+        a, b = (await req.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)).leases
+        assert (await req.request(make_group(a, actor_id="a", version=0), timeout_s=5)).accepted
+        await _wait_for(lambda: svc.version == 1, "v1")
+        (c,) = (await req.request(LeaseRequest(actor_id="a", max_leases=1), timeout_s=5)).leases
+        assert c.policy_version == 1
+        assert (await req.request(make_group(c, actor_id="a", version=1), timeout_s=5)).accepted
+        await trio.to_thread.run_sync(trainer.inside.wait, 10)  # C's step is running
+        ack = await req.request(make_group(b, actor_id="a", version=0), timeout_s=5)
+        assert ack.accepted  # staleness 1 on arrival
+        trainer.gate.set()
+        await _wait_for(lambda: svc.version == 2, "v2")
+        await _wait_for(lambda: not svc.publishing, "publication done")
+        (d,) = (await req.request(LeaseRequest(actor_id="a", max_leases=1), timeout_s=5)).leases
+        assert (await req.request(make_group(d, actor_id="a", version=2), timeout_s=5)).accepted
+        await _wait_for(lambda: svc.step == 3, "step 3")
+        return a, b, c, d
+
+    _, (a, b, c, d) = run_service_with(cfg, parts, script)
+    assert trainer.trained == [a.lease_id, c.lease_id, d.lease_id]  # never b
+    assert d.task == b.task  # b's task re-issued first
+    assert sum(r.get("rollout/groups_dropped/stale", 0) for r in rows) == 1
+    assert all(r.get("rollout/staleness_max", 0) <= 1 for r in rows)
+
+
+def test_a_group_whose_trajectory_log_write_fails_is_still_trained_exactly_once():
+    cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 0})
+    trainer = FakeTrainer()
+
+    class BrokenLog:
+        def write_group(self, group, **kw):
+            raise OSError(28, "No space left on device")
+
+        def write_batch_entry(self, group, **kw):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    rows = []
+
+    class Rows:
+        def write(self, step, metrics):
+            rows.append(metrics)
+
+        def close(self):
+            pass
+
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
+                         trajlog=BrokenLog(), logger=Rows())
+
+    async def script(svc, ctx):
+        req = await client(ctx, cfg)
+        await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+        sent, acks = [], []
+        while svc.step < 2:
+            for lease in (await req.request(LeaseRequest(actor_id="a", max_leases=4), timeout_s=5)).leases:
+                sent.append(lease.lease_id)
+                acks.append(await req.request(make_group(lease, actor_id="a"), timeout_s=5))
+            await trio.sleep(0.01)
+        resend = await req.request(make_group(lease, actor_id="a"), timeout_s=5)
+        return sent, acks, resend
+
+    _, (sent, acks, resend) = run_service_with(cfg, parts, script)
+    assert all(a.accepted for a in acks)
+    assert sorted(trainer.trained) == sorted(sent) and len(set(trainer.trained)) == len(trainer.trained) == 4
+    assert (resend.accepted, resend.reason) == (False, "duplicate")
+    assert sum(r.get("rollout/trajlog_errors", 0) for r in rows) >= 4
+
+
+def test_a_step_the_trainer_refuses_publishes_nothing():
+    cfg = make_cfg(**{"learner.steps": 1, "learner.max_staleness": 0})
+
+    class NanOnce(FakeTrainer):
+        def __init__(self):
+            super().__init__()
+            self.refused = 0
+
+        def train_step(self, groups):
+            if not self.refused:
+                self.refused += 1
+                return {"train/nonfinite": 1.0}
+            return super().train_step(groups)
+
+    trainer, pub, rows = NanOnce(), FakePublisher(), []
+
+    class Rows:
+        def write(self, step, metrics):
+            rows.append(metrics)
+
+        def close(self):
+            pass
+
+    parts = ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule(), logger=Rows())
+
+    async def script(svc, ctx):
+        req = await client(ctx, cfg)
+        await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+        while svc.step < 1:
+            for lease in (await req.request(LeaseRequest(actor_id="a", max_leases=4), timeout_s=5)).leases:
+                await req.request(make_group(lease, actor_id="a"), timeout_s=5)
+            await trio.sleep(0.01)
+        await _wait_for(lambda: svc.version == 1, "v1")
+
+    run_service_with(cfg, parts, script)
+    assert trainer.refused == 1 and trainer.step == 1
+    assert pub.versions == [0, 1]  # the refused step published nothing
+    assert sum(r.get("train/steps_skipped/nonfinite", 0) for r in rows) == 1
+
+
+def test_no_lease_is_granted_while_weights_are_published_and_later_ones_carry_the_new_stage():
+    import threading
+
+    cfg = make_cfg(**{"learner.steps": 3, "learner.max_staleness": 1})
+    gate, inside = threading.Event(), threading.Event()
+
+    class SlowPublisher(FakePublisher):
+        def publish(self, version, sd):
+            if version == 2:  # the publication after step 2, where FakeSchedule moves 6 -> 13
+                inside.set()
+                assert gate.wait(30)
+            return super().publish(version, sd)
+
+    parts = ServiceParts(trainer=FakeTrainer(), publisher=SlowPublisher(), weights=dict, schedule=FakeSchedule())
+
+    async def script(svc, ctx):
+        req = await client(ctx, cfg)
+        await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=8), timeout_s=5)
+        while not inside.is_set():
+            for lease in (await req.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)).leases:
+                await req.request(make_group(lease, actor_id="a"), timeout_s=5)
+            await trio.sleep(0.01)
+        during = await req.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)
+        gate.set()
+        await _wait_for(lambda: svc.version == 2 and not svc.publishing, "v2")
+        after = await req.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)
+        return during, after
+
+    _, (during, after) = run_service_with(cfg, parts, script)
+    assert during.leases == [] and 0 < during.retry_after_s <= 0.5
+    assert after.leases and all(l.policy_version == 2 and l.turn_limit == 13 for l in after.leases)

@@ -49,7 +49,7 @@ def test_on_policy_token_gradient_is_minus_advantage_over_num_tokens():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     _, g, m = _grad(lp, lp, lp, adv, mask, num_tokens=4.0)
     torch.testing.assert_close(g, torch.tensor([[-0.3 / 4, 1.2 / 4, 0.0]]))
-    assert m.clipped_sum == 0 and m.truncated_sum == 0 and m.weight_sum == 2.0
+    assert m.outside_clip_sum == 0 and m.truncated_sum == 0 and m.weight_sum == 2.0
 
 
 def test_behaviour_weight_is_truncated_exactly_at_the_cap():
@@ -73,7 +73,7 @@ def test_ratio_clipping_acts_exactly_outside_its_bounds():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     _, g, m = _grad(ratio.log(), prox, prox, adv, torch.ones(1, 4), num_tokens=1.0)
     torch.testing.assert_close(g, torch.tensor([[-(hi - d), 0.0, lo + d, 0.0]]))
-    assert m.clipped_sum == 2.0
+    assert m.outside_clip_sum == 0  # pi_prox == mu here: the batch is on-policy
 
 
 def test_clipping_never_stops_a_gradient_that_lowers_a_too_large_ratio():
@@ -81,7 +81,16 @@ def test_clipping_never_stops_a_gradient_that_lowers_a_too_large_ratio():
     prox = torch.zeros(1, 1)
     _, g, m = _grad(torch.tensor([[math.log(1.5)]]), prox, prox, torch.tensor([[-1.0]]), torch.ones(1, 1), num_tokens=1.0)
     torch.testing.assert_close(g, torch.tensor([[1.5]]))
-    assert m.clipped_sum == 0
+
+
+def test_behaviour_ratios_outside_the_clip_range_are_counted():
+    hi, lo = 1 + CFG.clip_high, 1 - CFG.clip_low
+    d = 1e-3
+    lp = torch.zeros(1, 4)
+    w = torch.tensor([[hi - d, hi + d, lo + d, lo - d]])  # pi_prox / mu
+    _, _, m = _grad(lp, lp, -w.log(), torch.ones(1, 4), torch.ones(1, 4), num_tokens=1.0)
+    assert m.outside_clip_sum == 2.0
+    assert m.means()["behaviour_outside_clip_fraction"] == 0.5
 
 
 def test_masked_tokens_get_zero_gradient_whatever_their_values():
@@ -148,6 +157,3 @@ def test_value_loss_is_half_squared_error_over_mask_tokens():
     assert float(loss.detach()) == pytest.approx(0.25)
     loss.backward()
     torch.testing.assert_close(v.grad, torch.tensor([[0.5, 0.0, 0.0]]))
-    clipped = value_loss(values_BT=torch.tensor([[3.0]]), returns_BT=torch.tensor([[3.0]]), mask_BT=torch.ones(1, 1),
-                         num_tokens=1, old_values_BT=torch.tensor([[0.0]]), clip=1.0)
-    assert float(clipped) == pytest.approx(0.5 * 4.0)  # clipped value 1.0, error 2

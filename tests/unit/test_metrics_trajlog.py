@@ -4,7 +4,7 @@ import json
 import pytest
 
 from learner.leases import LeaseManager
-from learner.metrics import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger, StepMetrics, record_group, record_train
+from learner.metrics import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger, StepMetrics, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
 from learner.trajlog import TrajectoryLog
 from tests.unit.fakes import make_group
@@ -40,8 +40,10 @@ def test_reductions_are_applied_once_per_step():
 def test_group_metrics_are_namespaced_per_env_and_category():
     l1, l2 = leases()
     m = StepMetrics()
-    record_group(m, make_group(l1, rewards=[1, 0, 1, 1], category="GoToRedBall"), True, "", 1)
-    record_group(m, make_group(l2, failed=True), False, "failed", -1)
+    g1 = make_group(l1, rewards=[1, 0, 1, 1], category="GoToRedBall")
+    record_intake(m, True, "")
+    record_trained(m, g1, 1)
+    record_intake(m, False, "failed")
     record_train(m, {"grad_norm": 0.5, "loss/pg": 0.1, "perf/x": float("nan")})
     out = m.reduce()
     assert out["rollout/groups_received"] == 2 and out["rollout/groups_accepted"] == 1

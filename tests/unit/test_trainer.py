@@ -117,8 +117,8 @@ def test_micro_batching_gives_the_same_step_as_one_batch(model_dir, algo):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_extra_proximal_forward_gives_the_same_step(model_dir, algo):
     data = batches(2)
-    a = Trainer(make_cfg(algo, micro_batch_tokens=80), model_dir, prox_forward="auto")
-    b = Trainer(make_cfg(algo, micro_batch_tokens=80), model_dir, prox_forward="extra")
+    a = Trainer(make_cfg(algo, micro_batch_tokens=80, prox_forward="auto"), model_dir)
+    b = Trainer(make_cfg(algo, micro_batch_tokens=80, prox_forward="extra"), model_dir)
     for d in data:
         ma, mb = a.train_step(d), b.train_step(d)
     assert ma["loss/behaviour_weight_mean"] == pytest.approx(mb["loss/behaviour_weight_mean"], rel=1e-6)
@@ -306,3 +306,25 @@ def test_seq_mean_token_mean_gives_every_episode_the_same_weight_whatever_its_le
     plain[0].adv = np.ones(3)
     tr_plain._aggregate(plain)
     assert plain[0].adv.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(model_dir, algo):
+    """A NaN reward (had it slipped past intake) makes the loss NaN: the trainer refuses the
+    step — no optimizer update, no LR step, ``step`` unchanged — and the next good batch
+    trains as if the bad one never came."""
+    from dataclasses import replace as dc_replace
+
+    good = batches(2)
+    ref = Trainer(make_cfg(algo), model_dir)
+    ref.train_step(good[0])
+
+    t = Trainer(make_cfg(algo), model_dir)
+    before = params(t)
+    bad = [dc_replace(g, episodes=[dc_replace(ep, reward=float("nan")) for ep in g.episodes]) for g in good[1]]
+    out = t.train_step(bad)
+    assert out["train/nonfinite"] == 1.0 and t.step == 0
+    assert_same(params(t), before, atol=0)
+    t.train_step(good[0])
+    assert t.step == 1
+    assert_same(params(t), params(ref))

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from protocol import codec
@@ -42,6 +43,25 @@ def _pair(ctx: zmq.Context, kind_a: int, kind_b: int, limits: SocketLimits = Soc
     port = a.bind_to_random_port("tcp://127.0.0.1")
     b.connect(tcp_endpoint("127.0.0.1", port))
     return a, b
+
+
+def _inproc_pair(ctx: zmq.Context, kind_a: int, kind_b: int) -> tuple[zmq.Socket, zmq.Socket]:
+    """Over ``inproc://`` a sent message is in the peer's pipe when ``send`` returns: tests
+    that need messages already queued at the receiver need no sleep."""
+    import uuid
+
+    a, b = configure(ctx.socket(kind_a)), configure(ctx.socket(kind_b))
+    name = f"inproc://t-{uuid.uuid4().hex}"
+    a.bind(name)
+    b.connect(name)
+    return a, b
+
+
+async def _until_readable(sock: zmq.Socket, timeout_s: float = 10.0) -> None:
+    """Wait (bounded, without taking anything) until ``sock`` has a message queued."""
+    with trio.fail_after(timeout_s):
+        while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            await trio.sleep(0.005)
 
 
 def run(fn, *args):
@@ -80,10 +100,9 @@ def test_messages_arrive_in_order_and_whole_through_the_fast_path(ctx):
 
 
 def test_a_flood_of_ready_messages_does_not_starve_other_tasks(ctx):
-    a, b = _pair(ctx, zmq.PAIR, zmq.PAIR)
+    a, b = _inproc_pair(ctx, zmq.PAIR, zmq.PAIR)
     for i in range(500):
-        a.send(i.to_bytes(4, "little"))
-    time.sleep(0.2)  # all queued at b
+        a.send(i.to_bytes(4, "little"))  # all queued at b when this returns (inproc)
 
     async def main():
         sb = AsyncSocket(b)
@@ -194,7 +213,7 @@ def test_a_receive_waiting_on_the_fd_wakes_when_another_task_sends(ctx):
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(receiver)
-                await trio.sleep(0.01)  # the receiver now waits on the FD
+                await trio.testing.wait_all_tasks_blocked()  # the receiver now waits on the FD
                 await d.send_multipart([b"ping"])
                 time.sleep(0.02)  # block the loop: the reply arrives and signals the FD
                 await d.send_multipart([b"noreply"])  # drains the mailbox inside libzmq
@@ -214,10 +233,9 @@ def test_a_receive_waiting_on_the_fd_wakes_when_another_task_sends(ctx):
 
 
 def test_a_cancelled_receive_takes_nothing_off_the_socket(ctx):
-    a, b = _pair(ctx, zmq.PAIR, zmq.PAIR)
+    a, b = _inproc_pair(ctx, zmq.PAIR, zmq.PAIR)
     for i in range(3):
-        a.send_multipart([b"part1-%d" % i, b"part2-%d" % i])
-    time.sleep(0.2)
+        a.send_multipart([b"part1-%d" % i, b"part2-%d" % i])  # queued at b (inproc)
 
     async def main():
         sb = AsyncSocket(b)
@@ -273,7 +291,8 @@ def test_a_cancelled_send_sends_nothing_and_never_half_a_message(ctx):
 
     async def main():
         sp, sl = AsyncSocket(push), AsyncSocket(pull)
-        await trio.sleep(0.2)  # connected
+        await sp.send_multipart([b"probe"])  # connected once the probe arrives
+        assert [f.bytes for f in await sl.recv_multipart()] == [b"probe"]
         with trio.CancelScope() as cs:
             cs.cancel()
             await sp.send_multipart([b"never", b"sent"])
@@ -316,7 +335,7 @@ def test_close_wakes_every_waiting_task_with_transport_error(ctx):
         async with trio.open_nursery() as nursery:
             for _ in range(5):
                 nursery.start_soon(waiter)
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()  # all five are parked on the socket
             sa.close()
         assert len(errors) == 5
         with pytest.raises(TransportError):
@@ -359,7 +378,7 @@ def test_request_times_out_and_its_late_reply_is_discarded(ctx):
             nursery.start_soon(_serve, r, handle, 3)
             with pytest.raises(PeerTimeout, match="LeaseRequest"):
                 await req.request(m.LeaseRequest(actor_id="a", max_leases=1), timeout_s=0.1, expect=m.LeaseGrant)
-            await trio.sleep(0.6)  # the late reply is now queued at the dealer
+            await _until_readable(dealer)  # the late reply is now queued at the dealer
             g2 = await req.request(m.LeaseRequest(actor_id="a", max_leases=2), timeout_s=5, expect=m.LeaseGrant)
             g3 = await req.request(m.LeaseRequest(actor_id="a", max_leases=3), timeout_s=5, expect=m.LeaseGrant)
         assert (g2.retry_after_s, g3.retry_after_s) == (2.0, 3.0)
@@ -470,7 +489,6 @@ def test_maxmsgsize_drops_an_oversize_message_and_the_receiver_keeps_working(ctx
         r = AsyncSocket(router)
         chunk = m.WeightChunk(version=1, index=0, checksum=0, data=np.zeros(50_000, np.uint8))
         await AsyncSocket(big).send_multipart([b"rid", *codec.encode(chunk)])
-        await trio.sleep(0.2)
         await AsyncSocket(small).send_multipart([b"rid", *codec.encode(m.Goodbye(actor_id="small"))])
         frames = await r.recv_multipart()
         _, body = split_router_frames(frames)
