@@ -289,7 +289,15 @@ def test_failed_swap_reloads_the_previous_weights_and_keeps_the_version(fake):
     trio.run(lambda: eng.generate(GenerateRequest([1], SamplingParams(max_new_tokens=1))))
     assert eng.version == 1
     llm.worker.fail_next = 1  # the next swap dies after writing one tensor into the model
-    eng.load_weights(2, _state(5.0))
+    swap = eng.load_weights(2, _state(5.0))
+
+    async def failed():
+        with pytest.raises(EngineError, match="previous weights were reloaded"):
+            with trio.fail_after(30):
+                await swap.wait()
+
+    trio.run(failed)
+    assert swap.outcome == swap.FAILED and not swap.broken
     res = trio.run(lambda: eng.generate(GenerateRequest([1], SamplingParams(max_new_tokens=2))))
     assert res.policy_version == 1 and eng.version == 1
     assert eng.stats()["weight_load_errors"] == 1 and "previous weights were reloaded" in eng.last_weight_error
@@ -297,11 +305,20 @@ def test_failed_swap_reloads_the_previous_weights_and_keeps_the_version(fake):
     assert len(os.listdir(eng._store.dir)) == 1  # the failed state's file is gone, version 1's kept
 
 
-def test_swap_whose_restore_fails_too_reports_the_engine_broken(fake):
+def test_swap_whose_restore_fails_too_reports_the_engine_broken_and_it_refuses_requests(fake):
     eng, llm = fake
-    llm.worker.fail_next = 2
-    with pytest.raises(EngineBroken, match="restoring the previous weights failed too"):
-        eng._apply_weights(_state(5.0))
+    llm.worker.fail_next = 2  # the swap and the restore both die
+    swap = eng.load_weights(1, _state(5.0))
+
+    async def main():
+        with pytest.raises(EngineBroken, match="restoring the previous weights failed too"):
+            with trio.fail_after(30):
+                await swap.wait()
+        with pytest.raises(EngineBroken):
+            await eng.generate(GenerateRequest([1], SamplingParams(max_new_tokens=1)))
+
+    trio.run(main)
+    assert eng.version == 0 and eng.stats()["engine_broken"] == 1.0
 
 
 def test_close_shuts_vllm_down_once_and_removes_the_state_files(fake):

@@ -77,14 +77,14 @@ async def wait_for(cond, what: str, timeout_s: float = 120.0) -> None:
 
 
 def swap_and_wait(eng, version: int, state) -> None:
-    eng.load_weights(version, state)
+    swap = eng.load_weights(version, state)
 
     async def wait():
-        await wait_for(lambda: eng.version == version or eng.stats()["weight_load_errors"] > errors, "swap")
+        with trio.fail_after(120):
+            await swap.wait()  # raises if the swap failed
 
-    errors = eng.stats()["weight_load_errors"]
     trio.run(wait)
-    assert eng.version == version, eng.last_weight_error
+    assert eng.version == version
 
 
 # ----------------------------------------------------------------------------- in-process engine
@@ -202,14 +202,14 @@ def test_a_swap_that_fails_half_way_leaves_the_previous_weights_in_place(inproc_
         return real_reload(weights_iterator=half(), is_checkpoint_format=is_checkpoint_format, **kw)
 
     worker.reload_weights = dies_half_way
-    errors = eng.stats()["weight_load_errors"]
     try:
-        eng.load_weights(v0 + 2, perturbed(base, seed=3, scale=0.5))
-        trio.run(wait_for, lambda: eng.stats()["weight_load_errors"] > errors, "the failed swap")
+        swap = eng.load_weights(v0 + 2, perturbed(base, seed=3, scale=0.5))
+        trio.run(wait_for, lambda: swap.released, "the failed swap")
     finally:
         del worker.reload_weights
     try:
-        assert len(calls) == 2 and eng.version == v0 + 1
+        assert swap.outcome == swap.FAILED and not swap.broken and "previous weights were reloaded" in swap.error
+        assert len(calls) == 2 and eng.version == v0 + 1 and not eng.broken
         assert "injected" in eng.last_weight_error and "previous weights were reloaded" in eng.last_weight_error
         after = trio.run(lambda: eng.generate(GenerateRequest(prompt_ids(7), sp, seed=7)))
         assert after.policy_version == v0 + 1
