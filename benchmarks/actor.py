@@ -14,6 +14,14 @@ with no env, renderer or parser work in between.
 Figure: generated tokens/s of the actor over the baseline's (target >= 0.9), from the
 round whose ratio is the median (each round's pair runs back to back, so a load burst on
 a shared machine spoils one pair, not the figure); per-round ratios and totals are printed.
+
+``engine=...`` overrides pick the engine (default ``hf``), e.g. ``turnscale bench actor
+engine=vllm_cpu`` (run from ``.venv-vllm``).  With vLLM the baseline is *bare vLLM*: the
+same per-episode request chains driven straight through vLLM's ``add_request`` / ``step``
+from one loop (no engine thread, trio bridge, env, renderer or parser), at the same batch
+size, with the same sampling parameters and seeds.  vLLM also reports the weight-swap time
+(``load_weights`` of the full state until the engine reports the new version, median of
+``--actor-swaps``) against a memory copy of the same tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ def add_arguments(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--actor-turns", type=int, default=4, help="turns per episode")
     parser.add_argument("--actor-new-tokens", type=int, default=24, help="max new tokens per turn")
     parser.add_argument("--actor-model", default="tiny", help="model path, or 'tiny' (built once, cached)")
+    parser.add_argument("--actor-swaps", type=int, default=5, help="weight swaps timed (engine=vllm)")
 
 
 class InstantEnv:
@@ -116,7 +125,15 @@ def run(args: argparse.Namespace) -> list[Result]:
     path = ensure_model(ModelConfig(path=args.actor_model), corpus)
     tok = AutoTokenizer.from_pretrained(path)
     renderer = Renderer.for_tokenizer(tok)
-    engine = make_engine(EngineConfig(name="hf", max_batch=args.actor_batch), path)
+    engine_cfg = EngineConfig(name="hf", max_batch=args.actor_batch)
+    if getattr(args, "overrides", None):
+        import dataclasses
+
+        import conf
+
+        engine_cfg = dataclasses.replace(conf.load(args.overrides).engine, max_batch=args.actor_batch)
+    engine = make_engine(engine_cfg, path)
+    vllm = engine_cfg.name == "vllm"
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.actor_new_tokens, max_context_tokens=4096)
     groups = max(1, args.actor_batch // args.actor_group)
     rec = Recorder(engine)
@@ -159,12 +176,16 @@ def run(args: argparse.Namespace) -> list[Result]:
             trio.run(actor, r)
             a_s = time.perf_counter() - t
             t = time.perf_counter()
-            b_tokens = trio.run(bare, episode_chains(rec.requests))
+            if vllm:
+                b_tokens = bare_vllm(engine, episode_chains(rec.requests), args.actor_batch)
+            else:
+                b_tokens = trio.run(bare, episode_chains(rec.requests))
             b_s = time.perf_counter() - t
             rounds.append((rec.tokens / a_s, b_tokens / b_s))
             actor_s, bare_s = actor_s + a_s, bare_s + b_s
             actor_tokens, bare_tokens = actor_tokens + rec.tokens, bare_tokens + b_tokens
         s1 = engine.stats()
+        swaps = swap_times(engine, path, args.actor_swaps) if vllm else []
     finally:
         engine.close()
     print(f"bench actor: actor {actor_tokens} tokens in {actor_s:.2f} s, bare {bare_tokens} tokens in {bare_s:.2f} s "
@@ -175,10 +196,78 @@ def run(args: argparse.Namespace) -> list[Result]:
     print("bench actor: per-round ratios " + " ".join(f"{x:.3f}" for x in ratios)
           + f"; totals {actor_tokens / actor_s:.0f} vs {bare_tokens / bare_s:.0f} tok/s")
     mid_a, mid_b = sorted(rounds, key=lambda ab: ab[0] / ab[1])[len(rounds) // 2]
+    if not vllm:
+        return [
+            result("actor_tokens_per_s", mid_a, "tok/s", "bare engine replaying the same per-episode request chains at the same batch size",
+                   mid_b, target=0.9),
+        ]
+    swap_s, copy_s = sorted(swaps)[len(swaps) // 2]
+    print("bench actor: weight swaps " + " ".join(f"{a:.3f}s" for a, _ in swaps) + f" (memory copy of the state {copy_s * 1e3:.1f} ms)")
     return [
-        result("actor_tokens_per_s", mid_a, "tok/s", "bare engine replaying the same per-episode request chains at the same batch size",
+        result("actor_vllm_tokens_per_s", mid_a, "tok/s", "bare vLLM (add_request/step loop) replaying the same per-episode request chains",
                mid_b, target=0.9),
+        result("vllm_weight_swap_s", swap_s, "s", "memory copy of the same state", copy_s, lower_is_better=True),
     ]
+
+
+def bare_vllm(engine, chains, batch: int) -> int:
+    """Replay per-episode request chains straight through vLLM (``engine.core``) from this
+    thread: up to ``batch`` chains at once, each turn added when the previous one finished.
+    The engine must be idle (its thread then never touches vLLM).  Returns tokens generated."""
+    from actors.vllm_engine import sampling_kwargs
+
+    api, core = engine.api, engine.core
+    queue = list(reversed(chains))
+    active: dict[str, tuple[list, int]] = {}
+    count = n = 0
+
+    def add(chain, i):
+        nonlocal n
+        n += 1
+        req, rid = chain[i], f"bare-{n}"
+        params = api.SamplingParams(output_kind=api.RequestOutputKind.DELTA, **sampling_kwargs(req))
+        core.add_request(rid, api.TokensPrompt(prompt_token_ids=[int(t) for t in req.prompt_ids], cache_salt=f"v{engine.version}"), params)
+        active[rid] = (chain, i)
+
+    while queue and len(active) < batch:
+        add(queue.pop(), 0)
+    while active:
+        for out in core.step():
+            count += len(out.outputs[0].token_ids)
+            if out.finished:
+                chain, i = active.pop(out.request_id)
+                if i + 1 < len(chain):
+                    add(chain, i + 1)
+                elif queue:
+                    add(queue.pop(), 0)
+    return count
+
+
+def swap_times(engine, model_path: str, n: int) -> list[tuple[float, float]]:
+    """``n`` x (seconds from ``load_weights`` of the full state until the engine reports the
+    new version, seconds to copy the same tensors in memory)."""
+    import torch
+
+    from actors.vllm_state import checkpoint_files, iter_state
+
+    state = {k: v.clone() for k, v in iter_state(checkpoint_files(model_path))}
+    out = []
+    for _ in range(max(1, n)):
+        t = time.perf_counter()
+        copy = {k: torch.empty_like(v).copy_(v) for k, v in state.items()}
+        copy_s = time.perf_counter() - t
+        del copy
+        version = engine.version + 1
+        errors = engine.stats()["weight_load_errors"]
+        t = time.perf_counter()
+        engine.load_weights(version, state)
+        deadline = t + 300
+        while engine.version != version:
+            if engine.stats()["weight_load_errors"] > errors or time.perf_counter() > deadline:
+                raise RuntimeError(f"bench actor: weight swap failed: {engine.last_weight_error or 'timeout'}")
+            time.sleep(0.001)
+        out.append((time.perf_counter() - t, copy_s))
+    return out
 
 
 def _window(a: dict, b: dict) -> str:

@@ -18,7 +18,8 @@ BENCHMARKS = ["transport", "envhub", "envgames", "actor", "learner", "weights", 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="turnscale bench", description=__doc__)
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {BENCHMARKS})")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {BENCHMARKS}); "
+                        f"key=value items are config overrides for the benchmarks that take them (actor: engine=vllm_cpu)")
     parser.add_argument("--json", dest="json_path", default="", help="write results as JSON here")
     parser.add_argument("--plot", default="", help="write PNG charts into this folder")
     modules = {}
@@ -32,7 +33,8 @@ def main(argv: list[str]) -> int:
         if hasattr(modules[name], "add_arguments"):
             modules[name].add_arguments(parser.add_argument_group(name))
     args = parser.parse_args(argv)
-    names = args.names or list(modules)
+    args.overrides = [n for n in args.names if "=" in n]
+    names = [n for n in args.names if "=" not in n] or list(modules)
     missing = [n for n in names if n not in modules]
     if missing:
         print(f"turnscale bench: not built yet / unknown: {missing}; available: {list(modules)}", file=sys.stderr)

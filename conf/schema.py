@@ -172,11 +172,30 @@ class SimEngineConfig:
 
 
 @dataclass(kw_only=True)
+class VLLMEngineConfig:
+    """``engine=vllm`` only (see ``actors.vllm_engine.platform_settings``)."""
+
+    multiprocess: bool = True
+    """vLLM's EngineCore in its own process (vLLM's default), else in the actor's process
+    (starts in seconds instead of tens of seconds on CPU)."""
+    kv_cache_gib: int = 1
+    """KV cache size on ``device=cpu`` in whole GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    enforce_eager: bool = False
+    """No CUDA graphs / torch.compile on ``cuda``/``npu`` (always eager on ``cpu``)."""
+    max_model_len: int = 0
+    """Longest sequence vLLM plans for; 0: the model's own limit."""
+
+    def __post_init__(self) -> None:
+        _require(self.kv_cache_gib >= 1, "engine.vllm.kv_cache_gib", "must be >= 1 (whole GiB)")
+        _require(self.max_model_len >= 0, "engine.vllm.max_model_len", "must be >= 0 (0: the model's limit)")
+
+
+@dataclass(kw_only=True)
 class EngineConfig:
     """An actor's inference engine (local to each actor)."""
 
     name: str = "hf"
-    """``hf`` (transformers, any device), ``vllm`` (CUDA / Ascend) or ``sim``."""
+    """``hf`` (transformers, any device), ``vllm`` (CUDA / Ascend / CPU) or ``sim``."""
     device: str = "cpu"
     dtype: str = "float32"
     max_batch: int = 32
@@ -184,7 +203,8 @@ class EngineConfig:
     update_mode: str = "between_turns"
     """``between_turns`` or ``inflight`` weight swaps."""
     gpu_memory_utilization: float = 0.85
-    """vLLM only."""
+    """vLLM on cuda/npu only."""
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
 
     def __post_init__(self) -> None:
@@ -377,6 +397,10 @@ class RunConfig:
     """Episodes per held-out task."""
     timeout_s: float = 1800.0
     """The whole run is stopped (children by pid) after this long."""
+    actor_python: str = ""
+    """Python interpreter of the processes that run the engine (actors and evaluations);
+    empty: the launcher's own.  ``engine=vllm`` on CPU: ``.venv-vllm/bin/python``
+    (``scripts/setup_vllm.sh``)."""
 
     def __post_init__(self) -> None:
         _require(self.actors >= 1, "run.actors", "must be >= 1")

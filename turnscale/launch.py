@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -140,6 +141,26 @@ class Launcher:
         if child.popen.returncode != 0:
             raise ChildFailed(f"{what} exited with {child.popen.returncode}:\n{child.tail()}")
 
+    def engine_python(self) -> str:
+        """The interpreter of engine processes (``run.actor_python``, resolved; empty: ours)."""
+        py = self.cfg.run.actor_python
+        return os.path.abspath(py) if py and os.sep in py else py  # not resolve(): a venv's python is a symlink
+
+    def check_engine_python(self) -> None:
+        """Fail before any work when the engine processes' Python lacks the engine's package."""
+        import subprocess
+
+        py = self.engine_python() or sys.executable
+        if not (shutil.which(py) or os.access(py, os.X_OK)):
+            raise ChildFailed(f"run.actor_python={self.cfg.run.actor_python!r} is not an executable Python")
+        if self.cfg.engine.name != "vllm":
+            return
+        probe = subprocess.run([py, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                               stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+        if probe.returncode != 0:
+            raise ChildFailed(f"engine=vllm: vLLM is not installed for {py}. On CPU: bash scripts/setup_vllm.sh, then "
+                              f"run.actor_python=.venv-vllm/bin/python (engine.device=cpu engine.dtype=float32)")
+
     # 1-2
     def prepare(self) -> tuple[dict[str, str], str, str]:
         from turnscale.tinymodel import ensure_model
@@ -204,7 +225,7 @@ class Launcher:
                 "--turns", str(rc.eval_turns), "--samples", str(rc.eval_samples), "--out", str(out), "--no-progress",
                 *child_overrides(self.cfg, ["sampling", "engine"], env__url=env_url),
                 *option_overrides("env.options", self.cfg.env.options)]
-        self.wait(self.procs.start(name, args), f"evaluation {name}")
+        self.wait(self.procs.start(name, args, python=self.engine_python()), f"evaluation {name}")
         doc = json.loads((out / "eval.json").read_text())
         overall = held_out_success(doc)
         self.say(f"{name}: held-out success {overall['success']:.3f} over {overall['episodes']} episodes")
@@ -228,7 +249,7 @@ class Launcher:
         for i in range(self.cfg.run.actors):
             aargs = ["actor"] + child_overrides(self.cfg, ["engine", "actor"], actor__learner_host="127.0.0.1",
                                                 actor__learner_port=ports["learner__port"], actor__actor_id=f"actor-{i}")
-            a = self.procs.start(f"actor-{i}", aargs)
+            a = self.procs.start(f"actor-{i}", aargs, python=self.engine_python())
             self.say(f"actor-{i} (pid {a.pid})")
         self.follow(learner, ldir / "metrics.jsonl")
         return ldir
@@ -282,6 +303,7 @@ def run(cfg: Config) -> int:
     say(f"turnscale run -> {launcher.dir}")
     previous = _exit_on_signals()
     try:
+        launcher.check_engine_python()
         files, sft_path, model_path = launcher.prepare()
         warm_model = launcher.warm_start(model_path, sft_path) if cfg.run.warm_start.steps > 0 else model_path
         env_url = launcher.start_envhub()

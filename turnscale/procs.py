@@ -126,12 +126,13 @@ class ProcessGroup:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None, python: str = "") -> Child:
+        """``<python> -m turnscale <args>`` (``python``: empty for this interpreter)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log = open(log_path, "ab")
         popen = subprocess.Popen(
-            [sys.executable, "-m", "turnscale", *args],
+            [python or sys.executable, "-m", "turnscale", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
