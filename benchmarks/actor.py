@@ -71,6 +71,9 @@ class Recorder:
         self.tokens += len(res.token_ids)
         return res
 
+    def __getattr__(self, name):  # everything else (version, stats, ...) is the engine's
+        return getattr(self.engine, name)
+
 
 def episode_chains(recorded) -> list[list]:
     """Split recorded ``(request, result)`` pairs into per-episode chains, in turn order:
@@ -87,9 +90,6 @@ def episode_chains(recorded) -> list[list]:
             chains[k].append(req)
             ends[k] = prompt + tuple(res.token_ids.tolist())
     return chains
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 def corpus():
