@@ -267,11 +267,17 @@ class LeaseManager:
         for r in ready:
             (stale if self.version - r.oldest > self.max_staleness else fresh).append(r)
         for r in stale:
-            self.accepted -= 1
-            self.stream.reissue(r.lease.task)
+            self.untrain(r, reissue=True)
         if len(fresh) < size:
             return [], fresh, stale
         return fresh[:size], fresh[size:], stale
+
+    def untrain(self, r: Ready, *, reissue: bool) -> None:
+        """An accepted group leaves without being trained: its admission slot is freed and,
+        with ``reissue``, its task is played again."""
+        self.accepted -= 1
+        if reissue:
+            self.stream.reissue(r.lease.task)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, trained_groups: int, untrained: Iterable[Task] = ()) -> dict[str, Any]:

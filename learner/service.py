@@ -339,9 +339,7 @@ class LearnerService:
             why = "nonfinite" if out.get("train/nonfinite") else "empty"
             m.add(f"train/steps_skipped/{why}", 1, "sum")
             for r in ready:  # their admission slots come back (else a synchronous run would stall)
-                self.leases.accepted -= 1
-                if why == "nonfinite":  # the data was valid: play the task again
-                    self.leases.stream.reissue(r.lease.task)
+                self.leases.untrain(r, reissue=why == "nonfinite")  # valid data: play the task again
                 self._ledger(r, f"skipped_{why}", before + 1)
             log.warning("step %d not taken (%s); the weights are unchanged", self.step + 1, why)
             return

@@ -17,6 +17,7 @@ import trio  # noqa: E402
 
 from actors.engine import GenerateRequest  # noqa: E402
 from actors.vllm_state import checkpoint_files, iter_state  # noqa: E402
+from benchmarks.actor import InstantEnv  # noqa: E402 (a never-ending env with fixed observations)
 from protocol.messages import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -90,18 +91,6 @@ def swap_and_wait(eng, version: int, state) -> None:
 # ----------------------------------------------------------------------------- in-process engine
 
 
-class ScriptedEnv:
-    """A never-ending env with fixed observations (the env is not under test here)."""
-
-    async def reset(self, data_idx: int):
-        await trio.lowlevel.checkpoint()
-        return f"Your goal: go to the red ball {data_idx}. You see a wall 2 steps ahead.", {}
-
-    async def step(self, action: str):
-        await trio.lowlevel.checkpoint()
-        return "You see a red ball 1 step ahead and 3 steps left.", 0.0, False, {"success": False}
-
-
 def test_behaviour_logprobs_of_multi_turn_episodes_equal_the_learners_teacher_forced_logprobs(inproc_engine, tiny_model_dir_hd32, reference):
     from transformers import AutoTokenizer
 
@@ -117,7 +106,7 @@ def test_behaviour_logprobs_of_multi_turn_episodes_equal_the_learners_teacher_fo
 
     async def main():
         async def one(i):
-            episodes.append(await run_episode(engine=inproc_engine, renderer=renderer, env=ScriptedEnv(), task=Task(env="babyai", data_idx=i),
+            episodes.append(await run_episode(engine=inproc_engine, renderer=renderer, env=InstantEnv(), task=Task(env="babyai", data_idx=i),
                                               turn_limit=3, sampling=sampling, parser=parse_action_line, prompt=instruction("babyai"), seed=i))
 
         async with trio.open_nursery() as n:
