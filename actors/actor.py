@@ -10,7 +10,9 @@ connection to the learner) with these named tasks:
 - ``heartbeat``: every ``heartbeat_interval_s`` names the live leases; leases the learner
   no longer holds are cancelled (abandoned);
 - ``announcements``: SUB to the learner's PUB; a newer ``PolicyAnnouncement`` becomes the
-  weight target, ``Shutdown`` starts a graceful stop;
+  weight target, ``Shutdown`` starts a graceful stop (a ``Shutdown`` *reply* to a
+  ``Hello``, ``LeaseRequest`` or ``Heartbeat`` does the same: PUB is lossy and a
+  reconnecting actor is not subscribed);
 - ``weights``: pulls the target version's chunks in the background (own DEALER to the
   weights endpoint) and hands them to ``engine.load_weights`` (the engine swaps at its
   safe point, ``engine.update_mode``), then awaits the swap's outcome;
@@ -139,6 +141,10 @@ class Runtime:
 
 class LearnerLost(Exception):
     """The learner stopped answering (or forgot us): end the session and reconnect."""
+
+
+class LearnerStopped(LearnerLost):
+    """The learner answered ``Shutdown``: the run is over (a graceful stop has begun)."""
 
 
 @dataclass
@@ -335,6 +341,9 @@ class Actor:
             reply = ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable)
         except ProtocolError as exc:
             raise LearnerLost(f"unreadable reply: {exc}") from None
+        if isinstance(reply, Shutdown):
+            self.request_stop(f"learner shutdown: {reply.reason}", abandon=True)
+            raise LearnerStopped(f"learner shut down ({reply.reason})")
         if isinstance(reply, ErrorReply):
             if reply.code == "not_registered":
                 raise LearnerLost(f"learner forgot this actor: {reply.message}")
@@ -367,6 +376,8 @@ class Actor:
                 continue
             try:
                 grant = await self._request(req, LeaseRequest(actor_id=self.actor_id, max_leases=free), LeaseGrant)
+            except LearnerStopped:
+                continue  # stopping now: finish (nothing runs at abandon) and say goodbye
             except RemoteError as exc:
                 log.warning("lease request refused: %s", exc)
                 grant = LeaseGrant(leases=[], retry_after_s=1.0)
@@ -449,7 +460,10 @@ class Actor:
             numeric = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             hb = Heartbeat(actor_id=self.actor_id, lease_ids=sorted(self._running), policy_version=self.runtime.engine.version,
                            stats=numeric)
-            ack = await self._request(req, hb, HeartbeatAck)
+            try:
+                ack = await self._request(req, hb, HeartbeatAck)
+            except LearnerStopped:
+                return  # the lease loop ends the session (goodbye)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)
                 if scope is not None:

@@ -37,9 +37,12 @@ Identity: ``run_id`` names the run (kept across resumes); ``incarnation`` names 
 learner process (new on every start, sent in every ``PolicyAnnouncement``), so actors
 drop weights that a previous incarnation published under the same version numbers.
 
-  After ``learner.steps`` steps the service publishes ``Shutdown`` (a few times, PUB is
-  lossy), keeps answering control messages for ``linger_s`` (so actors say goodbye),
-  and returns.
+Shutdown: after ``learner.steps`` steps the service publishes ``Shutdown`` (a few times;
+PUB is lossy) and from then on answers every ``Hello``, ``LeaseRequest`` and ``Heartbeat``
+with ``Shutdown`` too, so an actor that missed the announcements (a slow subscriber, or
+one reconnecting at that moment) still learns the run is over on its next request.  It
+keeps serving until every registered actor has said ``Goodbye`` (or been told on a
+``Hello``, or forgotten as silent), at most ``linger_s``, and returns.
 
 The trainer, publisher and checkpointer are injected (``TrainerLike`` ...) so the loop
 is tested with fakes; ``learner.main`` wires the real ones.
@@ -134,7 +137,8 @@ class LearnerService:
     """See the module docstring for tasks and ordering."""
 
     announce_every_s: float = 2.0
-    linger_s: float = 2.0
+    linger_s: float = 10.0
+    """Longest wait at shutdown for registered actors to say goodbye."""
 
     def __init__(self, cfg: Config, parts: ServiceParts) -> None:
         self.cfg = cfg
@@ -381,7 +385,11 @@ class LearnerService:
             except TransportError:
                 break
             await trio.sleep(0.1)
-        await trio.sleep(self.linger_s)
+        with trio.move_on_after(self.linger_s):
+            while len(self.actors):  # Goodbye, a Hello told Shutdown, or the expiry loop empties it
+                await trio.sleep(0.05)
+        if len(self.actors):
+            log.info("stopping without goodbye from %d actor(s)", len(self.actors))
         self.done = True
 
     # ------------------------------------------------------------------ control
@@ -422,6 +430,8 @@ class LearnerService:
         """Answer one decoded request from the connection ``identity`` (pure state change +
         reply; no awaits).  Requests naming an actor must come from its bound connection."""
         now = trio.current_time()
+        if self.stopping and isinstance(msg, (Hello, LeaseRequest, Heartbeat)):
+            return self._told_shutdown(msg, identity)
         if isinstance(msg, Hello):
             return self._hello(msg, identity, now)
         if isinstance(msg, LeaseRequest):
@@ -443,6 +453,20 @@ class LearnerService:
                      len(released))
             return GroupAck(lease_id="", accepted=True)
         return ErrorReply(code="bad_message", message=f"{type(msg).__name__} is not a request the learner answers")
+
+    def _told_shutdown(self, msg: Hello | LeaseRequest | Heartbeat, identity: bytes) -> Shutdown:
+        """The run is over: the reliable copy of the published ``Shutdown``.  An actor whose
+        ``Hello`` is answered so will not say goodbye (it never registered again), so its
+        earlier registration is dropped when the Hello is its own (same token)."""
+        if isinstance(msg, Hello):
+            old = self.actors.actors.get(msg.actor_id)
+            if old is not None and (old.identity == identity or (msg.token and msg.token == old.token)):
+                self.actors.drop(msg.actor_id)
+        else:
+            a = self.actors.bound(msg.actor_id, identity)
+            if a is not None:
+                a.last_seen = trio.current_time()
+        return Shutdown(reason="done")
 
     def _hello(self, msg: Hello, identity: bytes, now: float) -> Any:
         if msg.schema_version != SCHEMA_VERSION:

@@ -528,3 +528,48 @@ def test_an_engine_that_half_applies_a_swap_is_caught_by_the_weight_checksum_and
     run_to_shutdown(svc, actor)
     assert bug["left"] == 0 and actor.stats.torn_weights == 1
     assert trainer.step == 3 and max(engine.applied) >= 1  # pulled again: v1, or a later version
+
+
+def test_actor_that_connects_after_the_run_ended_is_told_on_its_hello_and_exits_0():
+    """Seen on a loaded CI machine: an actor whose first session failed re-sent Hello after
+    the learner had published its last ``Shutdown``; it registered, missed the (lossy,
+    already sent) announcements and waited forever for a learner that had exited.  A Hello
+    during shutdown is now answered ``Shutdown``."""
+    import zmq
+
+    from protocol.messages import Goodbye, Hello, LeaseRequest
+    from protocol.transport import AsyncSocket, Requester, configure
+    from tests.unit.test_learner_service import _wait_for
+
+    cfg = make_cfg(**{"learner.steps": 1, "learner.max_staleness": 1})
+    svc = LearnerService(cfg, ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 30.0, 0.2
+    actor = make_actor(cfg, FakeEnvClient(), ChecksumEngine(size=SIZE))
+    ctx = zmq.Context()
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                d = configure(ctx.socket(zmq.DEALER))
+                d.connect(f"tcp://127.0.0.1:{cfg.learner.port}")
+                other = Requester(AsyncSocket(d))  # another actor plays the run's only step
+                await other.request(Hello(actor_id="x", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+                while svc.step < 1:
+                    g = await other.request(LeaseRequest(actor_id="x", max_leases=4), timeout_s=5)
+                    for lease in g.leases:
+                        await other.request(make_group(lease, actor_id="x"), timeout_s=5)
+                    await trio.sleep(0.02)
+                await _wait_for(lambda: svc.stopping, "stopping")
+                await trio.sleep(0.6)  # the published Shutdowns are gone
+                with trio.fail_after(15):
+                    assert await actor.run() == 0
+                await other.request(Goodbye(actor_id="x"), timeout_s=5)
+
+    try:
+        trio.run(main)
+    finally:
+        ctx.destroy(linger=0)
+    assert actor.stop_reason.startswith("learner shutdown")
+    assert actor.stats.sessions == 0 and actor.stats.leases_received == 0

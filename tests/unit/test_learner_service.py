@@ -458,3 +458,60 @@ def test_no_lease_is_granted_while_weights_are_published_and_later_ones_carry_th
     _, (during, after) = run_service_with(cfg, parts, script)
     assert during.leases == [] and 0 < during.retry_after_s <= 0.5
     assert after.leases and all(l.policy_version == 2 and l.turn_limit == 13 for l in after.leases)
+
+
+# ----------------------------------------------------------------------------- shutdown reaches every actor
+
+
+def test_after_the_last_step_requests_are_answered_shutdown_and_the_learner_waits_for_goodbyes():
+    """PUB is lossy and a reconnecting actor is not subscribed, so once the run is over the
+    learner answers Hello, LeaseRequest and Heartbeat with ``Shutdown``; it lingers while a
+    registered actor has not said goodbye (not a fixed sleep) and leaves once it has."""
+    cfg = make_cfg(**{"learner.steps": 1, "learner.heartbeat_interval_s": 5})
+    trainer = FakeTrainer()
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule())
+    svc = LearnerService(cfg, parts)
+    svc.linger_s, svc.announce_every_s = 30.0, 0.2
+    ctx = zmq.Context()
+    seen = {}
+
+    async def script():
+        a = await client(ctx, cfg)
+        await a.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=2, token="ta"), timeout_s=5)
+        b = await client(ctx, cfg)
+        await b.request(Hello(actor_id="b", host="h", pid=2, engine="fake", device="cpu", max_groups=2, token="tb"), timeout_s=5)
+        while svc.step < 1:
+            g = await a.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)
+            for lease in g.leases:
+                await a.request(make_group(lease, actor_id="a"), timeout_s=5)
+            await trio.sleep(0.02)
+        await _wait_for(lambda: svc.stopping, "stopping")
+        seen["lease"] = await a.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)
+        seen["heartbeat"] = await a.request(Heartbeat(actor_id="a", lease_ids=[], policy_version=1), timeout_s=5)
+        late = await client(ctx, cfg)  # a newcomer, and "b" reconnecting on a new connection
+        seen["newcomer"] = await late.request(Hello(actor_id="c", host="h", pid=3, engine="fake", device="cpu", max_groups=1), timeout_s=5)
+        b2 = await client(ctx, cfg)
+        seen["reconnect"] = await b2.request(Hello(actor_id="b", host="h", pid=2, engine="fake", device="cpu", max_groups=2, token="tb"), timeout_s=5)
+        await trio.sleep(0.5)
+        seen["lingering"] = not svc.done  # "a" has not said goodbye yet
+        t0 = trio.current_time()
+        await a.request(Goodbye(actor_id="a", reason="learner shutdown: done"), timeout_s=5)
+        await _wait_for(lambda: svc.done, "done after the last goodbye", timeout_s=10)
+        seen["left_after_s"] = trio.current_time() - t0
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                await script()
+
+    try:
+        trio.run(main)
+    finally:
+        ctx.destroy(linger=0)
+    for key in ("lease", "heartbeat", "newcomer", "reconnect"):
+        assert isinstance(seen[key], Shutdown), (key, seen[key])
+    assert seen["lingering"]
+    assert seen["left_after_s"] < 5  # not the 30 s bound
+    assert "c" not in svc.actors.actors  # the newcomer was never registered
