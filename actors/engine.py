@@ -208,9 +208,9 @@ def tensor_digest(tensors: Mapping[str, Any], dtype: str, algo: str) -> dict[str
         if hasattr(t, "detach"):  # torch: cast, then view the bytes (bf16 has no numpy dtype)
             import torch
 
-            from actors.weight_sync import TORCH_DTYPES
+            from protocol.dtypes import torch_dtype
 
-            t = t.detach().to("cpu", TORCH_DTYPES[dtype]) if t.is_floating_point() else t.detach().cpu()
+            t = t.detach().to("cpu", torch_dtype(dtype)) if t.is_floating_point() else t.detach().cpu()
             data = t.contiguous().view(torch.uint8).numpy()
         else:
             data = np.ascontiguousarray(t).view(np.uint8)

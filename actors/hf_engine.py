@@ -41,9 +41,8 @@ from actors.engine import (
     Pending,
     ThreadedEngine,
 )
+from protocol.dtypes import float_torch_dtype
 from turnscale.logprobs import scaled_log_softmax
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sample_tokens(
@@ -164,7 +163,7 @@ class HFEngine(ThreadedEngine):
         if model is None:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[cfg.dtype])
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=float_torch_dtype(cfg.dtype, "engine.dtype"))
         self.model = model.to(self.device).eval()
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self._names = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}

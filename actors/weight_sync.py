@@ -1,5 +1,7 @@
 """Actor side of weight publication: pull a version's chunks from the learner's weights
-ROUTER into one preallocated buffer, verify each checksum, return tensors.
+ROUTER into one preallocated buffer, verify each checksum, return tensors.  The actor's end
+of the weight-transfer protocol (``protocol/weights.py``; the learner's end is
+``learner/weights.py``).
 
 Wire: request ``[request_id, *WeightChunkRequest]`` on a DEALER; reply
 ``[request_id, *WeightChunk]`` (or ``[request_id, *ErrorReply]``).  The 16-byte request id
@@ -31,7 +33,6 @@ Contract:
 
 from __future__ import annotations
 
-import math
 import struct
 from collections import deque
 from typing import Any
@@ -42,14 +43,12 @@ import trio
 import zmq
 
 from protocol import checksums, codec
+from protocol import weights as weights_protocol
 from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.transport import AsyncSocket
 
 _RID = struct.Struct("<qiI")  # version, chunk index, attempt
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-                 "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 
 
 class WeightSyncError(TurnscaleError):
@@ -195,21 +194,10 @@ class _Pull:
 
 def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool = False) -> dict[str, torch.Tensor]:
     """Tensors of ``manifest`` viewing (or copied out of) the stream bytes in ``buf``."""
-    out: dict[str, torch.Tensor] = {}
-    for t in manifest.tensors:
-        dtype = TORCH_DTYPES.get(t.dtype)
-        if dtype is None:
-            raise WeightSyncError(f"tensor {t.name}: dtype {t.dtype!r} unknown to this actor")
-        numel = math.prod(t.shape)
-        if numel == 0:
-            out[t.name] = torch.empty(t.shape, dtype=dtype)
-            continue
-        if t.offset < 0 or t.offset + numel * dtype.itemsize > len(buf):
-            raise WeightSyncError(f"tensor {t.name}: {numel} x {t.dtype} at offset {t.offset} lies outside the "
-                                  f"{len(buf)}-byte stream; the manifest is inconsistent")
-        x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
-        out[t.name] = x.clone() if copy else x
-    return out
+    try:
+        return weights_protocol.tensors_from_buffer(buf, manifest, copy=copy)
+    except ProtocolError as exc:
+        raise WeightSyncError(str(exc)) from None
 
 
 async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,

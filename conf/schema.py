@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.dtypes import FLOAT_DTYPES
+
 
 def _require(cond: bool, key: str, msg: str) -> None:
     if not cond:
@@ -139,7 +141,7 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"{self.dtype!r} not supported")
+        _require(self.dtype in FLOAT_DTYPES, "model.dtype", f"{self.dtype!r} not supported")
 
 
 @dataclass(kw_only=True)
@@ -338,7 +340,7 @@ class LearnerConfig:
         _require(self.max_actors >= 1, "learner.max_actors", "must be >= 1")
         _require(self.max_leases_per_actor >= 1, "learner.max_leases_per_actor", "must be >= 1")
         _require(self.max_message_mb > 0, "learner.max_message_mb", "must be > 0")
-        _require(self.transfer_dtype in ("float32", "bfloat16", "float16"), "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
+        _require(self.transfer_dtype in FLOAT_DTYPES, "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 
 
 @dataclass(kw_only=True)

@@ -53,8 +53,7 @@ from learner import checkpoint as ckpt
 from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
 from learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
 from learner.loss import LossMetrics, PPOLossConfig, ppo_loss, sft_loss, value_loss
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from protocol.dtypes import float_torch_dtype
 
 
 @dataclass
@@ -244,9 +243,7 @@ class Trainer:
         on CPU, contiguous.  Gathers under FSDP (``accelerator.get_state_dict``; every rank
         must call it).  ``copy=True`` guarantees the tensors do not alias live parameters;
         ``copy=False`` may alias them (publish at once, before the next step)."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"transfer dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-        target = _DTYPES[dtype]
+        target = float_torch_dtype(dtype, "transfer dtype")
         sd = self.accelerator.get_state_dict(self.model)
         out = {}
         for k, v in sd.items():

@@ -1,8 +1,10 @@
 """Weight publication: the learner's weights ROUTER, served by its own thread.
 
-``publish(version, state_dict)`` lays every tensor end to end (in the order given, each at
-an offset aligned to its element size) into one byte buffer, casting floating tensors to
-the transfer dtype on the way, cuts the stream into chunks of ``chunk_mb``, checksums each
+The learner's end of the weight-transfer protocol (``protocol/weights.py``; the actor's
+end is ``actors/weight_sync.py``).  ``publish(version, state_dict)`` lays every tensor end
+to end (in the order given, each at an offset aligned to its element size) into one byte
+buffer, casting floating tensors to the transfer dtype on the way, cuts the stream into
+chunks of ``chunk_mb``, checksums each
 (``protocol.checksums``: crc32c in hardware, as fast as a memory copy; zlib's crc32 ran
 at a third of memcpy speed on the loaded 2-core box and dominated a pull) and returns the ``WeightManifest`` the service announces on PUB.  The latest
 ``keep`` versions stay servable; older ones answer ``ErrorReply(code="unknown_version")``
@@ -33,48 +35,13 @@ import torch
 import zmq
 
 from protocol import checksums, codec
+from protocol.dtypes import torch_dtype
 from protocol.errors import ProtocolError
-from protocol.messages import ChunkInfo, ErrorReply, TensorInfo, WeightChunk, WeightChunkRequest, WeightManifest
+from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.transport import SocketLimits, configure, split_router_frames
+from protocol.weights import build_manifest, layout, write_tensors
 
 log = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
-_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} cannot travel as weights; choose one of {sorted(_TORCH_DTYPES)}") from None
-
-
-def layout(state_dict: Mapping[str, torch.Tensor], dtype: str) -> tuple[list[TensorInfo], int]:
-    """Offsets of every tensor in the stream: floating tensors as ``dtype``, others as they
-    are; each offset aligned to the element size.  Returns (tensor infos, total bytes)."""
-    target = torch_dtype(dtype)
-    infos, pos = [], 0
-    for name, t in state_dict.items():
-        dt = target if t.is_floating_point() else t.dtype
-        if dt not in _NAMES:
-            raise ValueError(f"tensor {name!r} has dtype {dt}, which cannot travel as weights")
-        item = torch.empty((), dtype=dt).element_size()
-        pos = (pos + item - 1) // item * item
-        nbytes = t.numel() * item
-        infos.append(TensorInfo(name=name, dtype=_NAMES[dt], shape=list(t.shape), offset=pos, nbytes=nbytes))
-        pos += nbytes
-    return infos, pos
-
-
-def chunk_table(buf: np.ndarray, total: int, chunk_bytes: int, algo: str) -> list[ChunkInfo]:
-    chunks = []
-    for i, off in enumerate(range(0, max(total, 1), chunk_bytes)):
-        n = min(chunk_bytes, total - off)
-        chunks.append(ChunkInfo(index=i, offset=off, nbytes=n, checksum=checksums.checksum(algo, buf[off:off + n])))
-    return chunks if total else []
 
 
 @dataclass
@@ -133,14 +100,9 @@ class WeightPublisher:
                 old = self._versions.pop(v)
                 self._spare.append((old.buf, old.trackers))
         buf = self._take_buffer(total)
-        flat = torch.from_numpy(buf)
-        for info, t in zip(infos, state_dict.values()):
-            if info.nbytes:
-                dst = flat[info.offset: info.offset + info.nbytes].view(torch_dtype(info.dtype)).view(t.shape)
-                dst.copy_(t.detach())
-        manifest = WeightManifest(version=version, dtype=self.dtype, total_bytes=total, checksum_algo=self.checksum_algo,
-                                  tensors=infos, chunks=chunk_table(buf, total, self.chunk_bytes, self.checksum_algo))
-        manifest.check()
+        write_tensors(buf, infos, state_dict.values())
+        manifest = build_manifest(version, self.dtype, buf, infos, total, chunk_bytes=self.chunk_bytes,
+                                  checksum_algo=self.checksum_algo)
         with self._lock:
             self._versions[version] = _Version(manifest, buf)
         return manifest

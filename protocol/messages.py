@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 
 SCHEMA_VERSION = 2
@@ -133,8 +134,8 @@ class EnvEndpoint:
 # ----------------------------------------------------------------------------- weights
 
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
-"""Bytes per element of every dtype a weight tensor may travel in."""
+DTYPE_SIZES = WIRE_DTYPES
+"""Bytes per element of every dtype a weight tensor may travel in (``protocol.dtypes``)."""
 
 
 @record

@@ -1,0 +1,96 @@
+"""The weight-transfer protocol: how a state dict becomes one byte stream, its chunks and
+its ``WeightManifest``, and how the stream becomes tensors again.  Both ends use it: the
+learner's publisher (``learner/weights.py``) lays out and chunks, the actor's puller
+(``actors/weight_sync.py``) verifies chunks against the manifest and views the tensors.
+
+Layout: tensors end to end in the order given, each at an offset aligned to its element
+size; floating tensors travel as the manifest's ``dtype``, others as they are (one of
+``protocol.dtypes.WIRE_DTYPES``).  Chunks of ``chunk_bytes`` tile ``[0, total_bytes)``,
+each with its ``checksum_algo`` checksum (``protocol.checksums``).  The message classes
+themselves (``WeightManifest``, ``TensorInfo``, ``ChunkInfo``, ``WeightChunkRequest``,
+``WeightChunk``) live in ``protocol.messages``.
+
+Torch is imported only by the functions that take or return tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from protocol import checksums
+from protocol.dtypes import torch_dtype, wire_name
+from protocol.errors import ProtocolError
+from protocol.messages import ChunkInfo, TensorInfo, WeightManifest
+
+
+def layout(state_dict: Mapping[str, Any], dtype: str) -> tuple[list[TensorInfo], int]:
+    """Offsets of every tensor in the stream: floating tensors as ``dtype``, others as they
+    are; each offset aligned to the element size.  Returns (tensor infos, total bytes)."""
+    target = torch_dtype(dtype)
+    infos, pos = [], 0
+    for name, t in state_dict.items():
+        dt = target if t.is_floating_point() else t.dtype
+        dt_name = wire_name(dt)
+        if dt_name is None:
+            raise ValueError(f"tensor {name!r} has dtype {dt}, which cannot travel as weights")
+        item = dt.itemsize
+        pos = (pos + item - 1) // item * item
+        nbytes = t.numel() * item
+        infos.append(TensorInfo(name=name, dtype=dt_name, shape=list(t.shape), offset=pos, nbytes=nbytes))
+        pos += nbytes
+    return infos, pos
+
+
+def chunk_table(buf: np.ndarray, total: int, chunk_bytes: int, algo: str) -> list[ChunkInfo]:
+    """The chunks tiling ``buf[:total]``, ``chunk_bytes`` each (the last may be shorter), checksummed."""
+    chunks = []
+    for i, off in enumerate(range(0, max(total, 1), chunk_bytes)):
+        n = min(chunk_bytes, total - off)
+        chunks.append(ChunkInfo(index=i, offset=off, nbytes=n, checksum=checksums.checksum(algo, buf[off:off + n])))
+    return chunks if total else []
+
+
+def build_manifest(version: int, dtype: str, buf: np.ndarray, infos: list[TensorInfo], total: int, *,
+                   chunk_bytes: int, checksum_algo: str) -> WeightManifest:
+    """The checked manifest of the stream ``buf[:total]`` laid out as ``infos``."""
+    manifest = WeightManifest(version=version, dtype=dtype, total_bytes=total, checksum_algo=checksum_algo,
+                              tensors=infos, chunks=chunk_table(buf, total, chunk_bytes, checksum_algo))
+    manifest.check()
+    return manifest
+
+
+def write_tensors(buf: np.ndarray, infos: list[TensorInfo], tensors: Any) -> None:
+    """Copy ``tensors`` (in ``infos`` order, any device) into their places in ``buf``, cast to their wire dtypes."""
+    import torch
+
+    flat = torch.from_numpy(buf)
+    for info, t in zip(infos, tensors):
+        if info.nbytes:
+            dst = flat[info.offset: info.offset + info.nbytes].view(torch_dtype(info.dtype)).view(t.shape)
+            dst.copy_(t.detach())
+
+
+def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool = False) -> dict[str, Any]:
+    """Tensors of ``manifest`` viewing (or copied out of) the stream bytes in ``buf``;
+    ``ProtocolError`` when the manifest does not fit ``buf``."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for t in manifest.tensors:
+        try:
+            dtype = torch_dtype(t.dtype)
+        except ValueError:
+            raise ProtocolError(f"tensor {t.name}: dtype {t.dtype!r} unknown to this actor") from None
+        numel = math.prod(t.shape)
+        if numel == 0:
+            out[t.name] = torch.empty(t.shape, dtype=dtype)
+            continue
+        if t.offset < 0 or t.offset + numel * dtype.itemsize > len(buf):
+            raise ProtocolError(f"tensor {t.name}: {numel} x {t.dtype} at offset {t.offset} lies outside the "
+                                f"{len(buf)}-byte stream; the manifest is inconsistent")
+        x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
+        out[t.name] = x.clone() if copy else x
+    return out
