@@ -24,8 +24,9 @@ def _require(cond: bool, key: str, msg: str) -> None:
 
 @dataclass(kw_only=True)
 class TasksConfig:
-    """Which ``data_idx`` values make each split.  Each is a range ``"start:stop"`` or the
-    path of a JSON file (AgentGym-RL's ``[{"item_id": "babyai_17"}, ...]`` or a list of ints)."""
+    """Which ``data_idx`` values make each split.  Each is a range ``"start:stop"``, a comma
+    list ``"3,5,9"`` or the path of a JSON file (AgentGym-RL's ``[{"item_id": "babyai_17"}, ...]``
+    or a list of ints); ``conf.tasks`` parses them."""
 
     train: str = "0:1000"
     test: str = "1000:1100"

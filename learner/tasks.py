@@ -1,9 +1,9 @@
 """The task stream of one env: which ``data_idx`` the learner hands out next.
 
-A split spec is either a range ``"start:stop"`` (``stop`` exclusive) or the path of a JSON
-file holding AgentGym-RL's item list (``[{"item_id": "babyai_17"}, ...]``) or a plain list
-of ints.  ``parse_task_spec`` turns a spec into ``Task`` records (bad specs raise
-``TaskSpecError`` naming the spec and what to fix).
+A split spec (``env.tasks.<split>``) is a range ``"start:stop"``, a comma list ``"3,5,9"``
+or the path of a JSON file holding AgentGym-RL's item list or a plain list of ints; the one
+parser is ``conf.tasks`` (eval uses it too).  ``parse_task_spec`` turns a spec into ``Task``
+records (bad specs raise ``TaskSpecError`` naming the spec and what to fix).
 
 Ordering contract of ``TaskStream.next``:
 
@@ -18,19 +18,17 @@ The state (``TaskCursor`` plus the re-issue queue) is plain data for checkpoints
 
 from __future__ import annotations
 
-import json
-import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from conf import tasks as conf_tasks
+from conf.tasks import TaskSpecError
 from protocol.messages import Task
 
-
-class TaskSpecError(ValueError):
-    """A task spec (``env.tasks.*``) is not a range or a readable task file."""
+__all__ = ["TaskCursor", "TaskSpecError", "TaskStream", "parse_task_spec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,50 +40,8 @@ class TaskCursor:
 
 
 def parse_task_spec(spec: str, env: str, split: str = "train") -> list[Task]:
-    """``"start:stop"`` or a JSON file path -> tasks of ``env`` (in file/range order)."""
-    spec = spec.strip()
-    if not spec:
-        raise TaskSpecError(f"empty task spec for {env}/{split}: give 'start:stop' or a JSON file")
-    if ":" in spec and not os.path.exists(spec):
-        start_s, _, stop_s = spec.partition(":")
-        try:
-            start, stop = int(start_s), int(stop_s)
-        except ValueError:
-            raise TaskSpecError(f"task range {spec!r} for {env}/{split}: expected 'start:stop' with integers") from None
-        if not 0 <= start < stop:
-            raise TaskSpecError(f"task range {spec!r} for {env}/{split}: need 0 <= start < stop")
-        return [Task(env=env, data_idx=i, split=split) for i in range(start, stop)]
-    return _load_task_file(spec, env, split)
-
-
-def _load_task_file(path: str, env: str, split: str) -> list[Task]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            items = json.load(f)
-    except FileNotFoundError:
-        raise TaskSpecError(f"task file {path!r} for {env}/{split} does not exist (or use a range 'start:stop')") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TaskSpecError(f"task file {path!r} is not readable JSON: {exc}") from None
-    if not isinstance(items, list) or not items:
-        raise TaskSpecError(f"task file {path!r}: expected a non-empty JSON list")
-    return [_item_to_task(it, i, path, env, split) for i, it in enumerate(items)]
-
-
-def _item_to_task(item: Any, i: int, path: str, env: str, split: str) -> Task:
-    where = f"task file {path!r} item {i}"
-    if isinstance(item, int) and not isinstance(item, bool):
-        if item < 0:
-            raise TaskSpecError(f"{where}: data_idx {item} is negative")
-        return Task(env=env, data_idx=item, split=split)
-    if isinstance(item, dict) and isinstance(item.get("item_id"), str):
-        item_id = item["item_id"]
-        prefix, _, num = item_id.rpartition("_")
-        if not num.isdigit():
-            raise TaskSpecError(f"{where}: item_id {item_id!r} is not '<env>_<n>'")
-        if prefix and prefix != env:
-            raise TaskSpecError(f"{where}: item_id {item_id!r} belongs to env {prefix!r}, not {env!r}")
-        return Task(env=env, data_idx=int(num), split=split, task_id=item_id)
-    raise TaskSpecError(f"{where}: expected an int or {{\"item_id\": \"{env}_<n>\"}}, got {item!r}")
+    """A task spec (``conf.tasks``) -> tasks of ``env`` (in spec/file order)."""
+    return [Task(env=env, data_idx=i, split=split, task_id=tid) for i, tid in conf_tasks.parse_task_spec(spec, env, split)]
 
 
 class TaskStream:

@@ -113,3 +113,29 @@ def test_no_task_is_lost_across_reissues_and_checkpoints(ops, seed):
     fresh = TaskStream(tasks, seed=seed)
     expected = [fresh.next() for _ in range(s.cursor.epoch * 7 + s.cursor.position)]
     assert sorted(t.data_idx for t in out_now) == sorted(t.data_idx for t in expected)  # as multisets
+
+
+@pytest.mark.parametrize("spec", ["3:7", " 2 : 5 ", "3,5,9", "5,1,5,2", "7", "", "5:5", "4:2", "-1:3", "a:b", "1-3",
+                                  "3,,5", "/no/such/file.json", "FILE:items", "FILE:ints", "FILE:mixed-case",
+                                  "FILE:dupes", "FILE:other-env", "FILE:bad"])
+def test_learner_and_eval_parse_every_spec_the_same_way(tmp_path, spec):
+    """One parser (``conf.tasks``): the learner's tasks and eval's indices agree on every spec
+    (eval keeps the first of duplicates), and both refuse the same specs with the same error."""
+    from turnscale import evaltasks
+
+    files = {"items": [{"item_id": "babyai_17"}, {"item_id": "babyai_3"}], "ints": [4, 2],
+             "mixed-case": [{"item_id": "BabyAI_8"}, 9], "dupes": [3, 3, 1], "other-env": [{"item_id": "textcraft_1"}],
+             "bad": {"a": 1}}
+    if spec.startswith("FILE:"):
+        name = spec.removeprefix("FILE:")
+        (tmp_path / f"{name}.json").write_text(json.dumps(files[name]))
+        spec = str(tmp_path / f"{name}.json")
+    try:
+        learner = [t.data_idx for t in parse_task_spec(spec, "babyai")]
+    except TaskSpecError as exc:
+        with pytest.raises(evaltasks.TaskSpecError) as got:
+            evaltasks.parse_task_spec(spec, "babyai")
+        assert evaltasks.TaskSpecError is TaskSpecError
+        assert str(got.value) == str(exc).replace("babyai/train", "babyai")
+        return
+    assert evaltasks.parse_task_spec(spec, "babyai") == list(dict.fromkeys(learner))
