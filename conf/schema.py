@@ -11,7 +11,7 @@ Groups mirror the packages: ``env`` (envhub), ``engine`` (actors), ``algo`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from protocol.dtypes import FLOAT_DTYPES
@@ -217,8 +217,31 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
-class AlgoConfig:
-    """Advantage estimator and loss.  See ``learner.algorithms`` and ``learner.loss``."""
+class PPOLossConfig:
+    """The decoupled-PPO loss's own knobs (``learner.loss.ppo_loss`` takes this); declared
+    once here, and ``AlgoConfig`` inherits them, so they are ``algo.clip_low`` etc. in the
+    config."""
+
+    clip_low: float = 0.2
+    """eps_low: the ratio is clipped below at ``1 - clip_low``."""
+    clip_high: float = 0.2
+    """eps_high: the ratio is clipped above at ``1 + clip_high``."""
+    behaviour_cap: float = 2.0
+    """C: the behaviour weight ``pi_prox / mu`` is truncated at C (token level)."""
+    seq_mask: bool = False
+    """Drop whole sequences whose geometric-mean behaviour weight leaves [seq_mask_low, seq_mask_high]."""
+    seq_mask_low: float = 0.5
+    seq_mask_high: float = 2.0
+    kl_coef: float = 0.0
+    """Weight of KL to the frozen reference (``low_var_kl``; needs ``ref_logprobs_BT``); 0 loads no reference."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (needs ``entropy_BT``)."""
+
+
+@dataclass(kw_only=True)
+class AlgoConfig(PPOLossConfig):
+    """Advantage estimator and loss.  See ``learner.algorithms`` and ``learner.loss``; the
+    loss's own fields (``clip_low`` ... ``entropy_coef``) come from ``PPOLossConfig``."""
 
     name: str = "grpo"
     """``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``ppo`` (GAE + value head) or ``sft``."""
@@ -230,17 +253,6 @@ class AlgoConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    behaviour_cap: float = 2.0
-    """C: the behaviour weight ``pi_prox / mu`` is truncated at C (token level)."""
-    seq_mask: bool = False
-    """Drop whole sequences whose geometric-mean behaviour weight leaves [seq_mask_low, seq_mask_high]."""
-    seq_mask_low: float = 0.5
-    seq_mask_high: float = 2.0
-    kl_coef: float = 0.0
-    """Weight of KL to the frozen reference (``low_var_kl``); 0 loads no reference."""
-    entropy_coef: float = 0.0
     gamma: float = 1.0
     lam: float = 1.0
     value_coef: float = 0.5
@@ -264,6 +276,10 @@ class AlgoConfig:
         _require(self.micro_batch_tokens > 0, "algo.micro_batch_tokens", "must be > 0")
         _require(self.loss_agg in ("token_mean", "seq_mean_token_mean"), "algo.loss_agg", f"{self.loss_agg!r}; choose token_mean or seq_mean_token_mean")
         _require(self.prox_forward in ("auto", "extra"), "algo.prox_forward", f"{self.prox_forward!r}; choose auto or extra")
+
+    def loss_config(self) -> PPOLossConfig:
+        """The loss's own config, copied out of this one."""
+        return PPOLossConfig(**{f.name: getattr(self, f.name) for f in fields(PPOLossConfig)})
 
 
 ALGOS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "sft"})

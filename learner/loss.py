@@ -24,23 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conf.schema import PPOLossConfig  # the loss's config; declared in the schema, which embeds it in AlgoConfig
 
-@dataclass(frozen=True, kw_only=True)
-class PPOLossConfig:
-    clip_low: float = 0.2
-    """eps_low: the ratio is clipped below at ``1 - clip_low``."""
-    clip_high: float = 0.2
-    """eps_high: the ratio is clipped above at ``1 + clip_high``."""
-    behaviour_cap: float = 2.0
-    """C: behaviour weights ``pi_prox / mu`` above C are truncated to C."""
-    seq_mask: bool = False
-    """Drop sequences whose geometric-mean behaviour weight leaves [seq_mask_low, seq_mask_high]."""
-    seq_mask_low: float = 0.5
-    seq_mask_high: float = 2.0
-    kl_coef: float = 0.0
-    """Weight of ``low_var_kl`` to the reference policy (needs ``ref_logprobs_BT``)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (needs ``entropy_BT``)."""
+__all__ = ["LossMetrics", "PPOLossConfig", "low_var_kl_BT", "ppo_loss", "sft_loss", "value_loss"]
 
 
 @dataclass(kw_only=True)

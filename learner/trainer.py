@@ -52,7 +52,7 @@ from learner import advantages as adv_mod
 from learner import checkpoint as ckpt
 from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
 from learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
-from learner.loss import LossMetrics, PPOLossConfig, ppo_loss, sft_loss, value_loss
+from learner.loss import LossMetrics, ppo_loss, sft_loss, value_loss
 from protocol.dtypes import float_torch_dtype
 
 
@@ -167,11 +167,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, warmup=self.algo.warmup_steps, total=self.total_steps, kind=self.algo.lr_schedule)
         )
-        self.loss_cfg = PPOLossConfig(
-            clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, behaviour_cap=self.algo.behaviour_cap,
-            seq_mask=self.algo.seq_mask, seq_mask_low=self.algo.seq_mask_low, seq_mask_high=self.algo.seq_mask_high,
-            kl_coef=self.algo.kl_coef, entropy_coef=self.algo.entropy_coef,
-        )
+        self.loss_cfg = self.algo.loss_config()
 
     # ------------------------------------------------------------------ public API
 
