@@ -507,15 +507,26 @@ class ThreadedEngine:
         for p in queued:
             p.finish(self._aborted_result(p))
 
-    def _aborted_result(self, p: Pending) -> GenerateResult:
+    def _make_result(self, p: Pending, ids: Any, logprobs: Any, versions: Any, reason: str) -> GenerateResult:
+        """The one result shape of every engine: ``p`` sampled ``ids`` with behaviour
+        ``logprobs``, token ``i`` under weights version ``versions[i]``; the policy version
+        is the oldest of them (the current one when nothing was sampled)."""
+        v = np.asarray(versions, dtype=np.int32)
         return GenerateResult(
-            token_ids=np.zeros(0, np.int32),
-            logprobs=np.zeros(0, np.float32),
-            finish_reason=FINISH_ABORTED,
-            policy_version=self._version,
+            token_ids=np.asarray(ids, dtype=np.int32),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            finish_reason=reason,
+            policy_version=int(v.min()) if len(v) else self._version,
             latency_s=time.monotonic() - p.submitted,
-            token_versions=np.zeros(0, np.int32),
+            token_versions=v,
         )
+
+    def _aborted_result(self, p: Pending) -> GenerateResult:
+        return self._make_result(p, (), (), (), FINISH_ABORTED)
+
+    def _row_result(self, row: Any, reason: str) -> GenerateResult:
+        """The result of a running row (``row.p``, ``row.ids``, ``row.logprobs``, ``row.versions``)."""
+        return self._make_result(row.p, row.ids, row.logprobs, row.versions, reason)
 
     # -- subclass hooks ----------------------------------------------------------------
 
@@ -537,8 +548,14 @@ class ThreadedEngine:
     def _reset_batch(self) -> None:
         raise NotImplementedError
 
+    def _row_of(self, p: Pending) -> Any | None:
+        """Engine thread: ``p``'s running row (see ``_row_result``), or None when it has none."""
+        return None
+
     def _partial_result(self, p: Pending, reason: str) -> GenerateResult:
-        return self._aborted_result(p)
+        """What ``p`` produced so far, finishing with ``reason`` (aborted and empty when it has no row)."""
+        row = self._row_of(p)
+        return self._row_result(row, reason) if row is not None else self._aborted_result(p)
 
     def _check_weights(self, tensors: Mapping[str, Any]) -> None:
         raise NotImplementedError

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import inspect
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -262,11 +261,8 @@ class HFEngine(ThreadedEngine):
     def _reset_batch(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
 
-    def _partial_result(self, p: Pending, reason: str) -> GenerateResult:
-        for r in self._rows:
-            if r.p is p:
-                return self._result(r, reason)
-        return self._aborted_result(p)
+    def _row_of(self, p: Pending) -> _Row | None:
+        return next((r for r in self._rows if r.p is p), None)
 
     def _check_weights(self, tensors: Mapping[str, Any]) -> None:
         for name, t in tensors.items():
@@ -349,9 +345,9 @@ class HFEngine(ThreadedEngine):
             r.last = tok
             r.total_len += 1
             if tok in r.stop:
-                done.append((r.p, self._result(r, FINISH_STOP)))
+                done.append((r.p, self._row_result(r, FINISH_STOP)))
             elif len(r.ids) >= r.max_new or r.total_len >= self.max_positions:
-                done.append((r.p, self._result(r, FINISH_LENGTH)))
+                done.append((r.p, self._row_result(r, FINISH_LENGTH)))
         if done:  # ``rows`` may be only the joiners: remove by identity from the whole batch
             gone = {p.rid for p, _ in done}
             if self.prefix_cache.max_tokens:
@@ -371,17 +367,6 @@ class HFEngine(ThreadedEngine):
             if len(cols) != len(tokens):  # never expected; reuse must be exact or nothing
                 continue
             self.prefix_cache.put(tokens, [(k[i : i + 1].index_select(2, cols), v[i : i + 1].index_select(2, cols)) for k, v in kv])
-
-    def _result(self, r: _Row, reason: str) -> GenerateResult:
-        versions = np.asarray(r.versions, dtype=np.int32)
-        return GenerateResult(
-            token_ids=np.asarray(r.ids, dtype=np.int32),
-            logprobs=np.asarray(r.logprobs, dtype=np.float32),
-            finish_reason=reason,
-            policy_version=int(versions.min()) if len(versions) else self._version,
-            latency_s=time.monotonic() - r.p.submitted,
-            token_versions=versions,
-        )
 
 
 def _stack_past(kvs: list[list], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

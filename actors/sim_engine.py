@@ -43,6 +43,15 @@ class _SimRow:
     reason: str
     n: int = 0
     versions: list[int] = field(default_factory=list)
+    """One entry per emitted token (appended in step with ``n``)."""
+
+    @property
+    def ids(self) -> list[int]:
+        return self.plan[: self.n]
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return np.full(self.n, SIM_LOGPROB, dtype=np.float32)
 
 
 class SimEngine(ThreadedEngine):
@@ -87,23 +96,11 @@ class SimEngine(ThreadedEngine):
             r.n += 1
             r.versions.append(self._version)
             if r.n >= len(r.plan):
-                done.append((r.p, self._result(r, r.reason)))
+                done.append((r.p, self._row_result(r, r.reason)))
             else:
                 keep.append(r)
         self._rows = keep
         return done
-
-    def _result(self, r: _SimRow, reason: str) -> GenerateResult:
-        n = r.n
-        v = np.asarray(r.versions[:n], dtype=np.int32)
-        return GenerateResult(
-            token_ids=np.asarray(r.plan[:n], dtype=np.int32),
-            logprobs=np.full(n, SIM_LOGPROB, dtype=np.float32),
-            finish_reason=reason,
-            policy_version=int(v.min()) if n else self._version,
-            latency_s=time.monotonic() - r.p.submitted,
-            token_versions=v,
-        )
 
     def _drop(self, gone: list[Pending]) -> None:
         ids = {p.rid for p in gone}
@@ -112,11 +109,8 @@ class SimEngine(ThreadedEngine):
     def _reset_batch(self) -> None:
         self._rows = []
 
-    def _partial_result(self, p: Pending, reason: str) -> GenerateResult:
-        for r in self._rows:
-            if r.p is p:
-                return self._result(r, reason)
-        return self._aborted_result(p)
+    def _row_of(self, p: Pending) -> _SimRow | None:
+        return next((r for r in self._rows if r.p is p), None)
 
     def _check_weights(self, tensors: Mapping[str, Any]) -> None:
         """Any named tensors are accepted (the sim has no parameters)."""

@@ -59,8 +59,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import numpy as np
-
 from actors.engine import (
     FINISH_ABORTED,
     FINISH_LENGTH,
@@ -278,19 +276,8 @@ class VLLMEngine(ThreadedEngine):
             row.versions += [version] * len(ids)
             if out.finished:
                 del self._rows[out.request_id]
-                done.append((row.p, self._result(row, finish_reason(comp.finish_reason))))
+                done.append((row.p, self._row_result(row, finish_reason(comp.finish_reason))))
         return done
-
-    def _result(self, row: _VRow, reason: str) -> GenerateResult:
-        v = np.asarray(row.versions, dtype=np.int32)
-        return GenerateResult(
-            token_ids=np.asarray(row.ids, dtype=np.int32),
-            logprobs=np.asarray(row.logprobs, dtype=np.float32),
-            finish_reason=reason,
-            policy_version=int(v.min()) if len(v) else self._version,
-            latency_s=time.monotonic() - row.p.submitted,
-            token_versions=v,
-        )
 
     def _drop(self, gone: list[Pending]) -> None:
         ids = [str(p.rid) for p in gone if str(p.rid) in self._rows]
@@ -306,9 +293,8 @@ class VLLMEngine(ThreadedEngine):
             finally:
                 self._rows = {}
 
-    def _partial_result(self, p: Pending, reason: str) -> GenerateResult:
-        row = self._rows.get(str(p.rid))
-        return self._result(row, reason) if row is not None else self._aborted_result(p)
+    def _row_of(self, p: Pending) -> _VRow | None:
+        return self._rows.get(str(p.rid))
 
     # -- weights -----------------------------------------------------------------------
 
