@@ -60,9 +60,15 @@ def _compose(compose, initialize_config_module, GlobalHydra, config_name: str, o
     raise RuntimeError("unreachable")
 
 
+MOVED = {"run.levels": "env.options.levels"}
+"""Keys that moved: the old name is refused with a message naming the new one."""
+
+
 def _describe(exc: Exception) -> str:
     key = getattr(exc, "full_key", None)
     msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+    if key in MOVED:
+        return f"config key '{key}' moved to '{MOVED[key]}' (BabyAI-specific: it is an env option now)"
     return f"config key '{key}': {msg}" if key else msg
 
 
