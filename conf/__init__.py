@@ -2,7 +2,8 @@
 
 ``load(overrides)`` is the one place a ``DictConfig`` exists: it composes
 ``config.yaml`` with the overrides, merges the result over ``schema.Config`` and
-returns the typed, validated dataclass tree.
+returns the typed, validated dataclass tree.  ``save`` writes a resolved config as YAML
+(the learner keeps its own next to its checkpoints) and ``load_file`` reads it back.
 """
 
 from __future__ import annotations
@@ -34,6 +35,33 @@ def load(overrides: Sequence[str] = (), config_name: str = "config") -> Config:
         if type(exc).__module__.startswith("hydra"):
             raise ConfigError(str(exc)) from None
         raise
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def save(cfg: Config, path: str) -> None:
+    """Write the fully resolved ``cfg`` as YAML to ``path`` (atomically); ``load_file`` reads it back."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+    os.replace(tmp, path)
+
+
+def load_file(path: str) -> Config:
+    """The config a run saved with ``save`` (validated against the schema like ``load``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_describe(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     assert isinstance(cfg, Config)
     return cfg
 
@@ -72,4 +100,4 @@ def _describe(exc: Exception) -> str:
     return f"config key '{key}': {msg}" if key else msg
 
 
-__all__ = ["Config", "ConfigError", "load"]
+__all__ = ["Config", "ConfigError", "load", "load_file", "save"]

@@ -70,3 +70,11 @@ def test_babyai_level_mix_is_an_env_option_and_the_old_key_names_the_new_one():
         run_levels({"levels": [40]})
     with pytest.raises(conf.ConfigError, match=r"run.levels' moved to 'env.options.levels'"):
         conf.load(["run.levels=[1,2]"])
+
+
+def test_a_saved_resolved_config_loads_back_equal(tmp_path):
+    cfg = conf.load(["experiment=run_babyai", "learner.steps=7", "++env.options.levels=[2,3]"])
+    path = str(tmp_path / "config.yaml")
+    conf.save(cfg, path)
+    assert conf.load_file(path) == cfg
+    assert "steps: 7" in open(path).read()
