@@ -27,7 +27,8 @@ One trio nursery holds four named tasks under ``LearnerService.serve``:
      (``LeaseManager.version``) and granting resumes — so no lease ever names a version
      whose weights cannot be pulled, nor an outdated turn limit or version;
   4. every ``checkpoint_every`` steps (and after the last) a checkpoint is written
-     with the task cursor, version and lease state in ``extra``.
+     with the task cursor, version and lease state in ``extra`` (not the turn limit: it
+     follows from the step and the schedule; an old checkpoint's ``turn_limit`` is ignored).
 
 Intake (``_group``): the group is validated and, when accepted, buffered *before*
 anything is written about it; a trajectory-log failure costs the log line (counted as
@@ -189,7 +190,7 @@ class LearnerService:
         return int(self.parts.schedule.limit_at(self.step))
 
     def announcement(self) -> PolicyAnnouncement:
-        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.step, manifest=self.manifest,
+        return PolicyAnnouncement(version=self.version, step=self.step, manifest=self.manifest,
                                   incarnation=self.incarnation)
 
     def restore(self) -> bool:
@@ -211,7 +212,7 @@ class LearnerService:
 
     def checkpoint_extra(self) -> dict[str, Any]:
         return {
-            "step": self.step, "version": self.version, "turn_limit": self.turn_limit, "run_id": self.run_id,
+            "step": self.step, "version": self.version, "run_id": self.run_id,
             "trained_groups": self.trained_groups,
             "leases": self.leases.state(self.trained_groups, untrained=[r.lease.task for r in self.buffer]),
         }
@@ -443,7 +444,7 @@ class LearnerService:
             if a is None:
                 return _not_registered()
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
-            return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now), policy_version=self.version)
+            return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now))
         if isinstance(msg, Goodbye):
             if self.actors.bound(msg.actor_id, identity) is None:
                 return _not_registered()
