@@ -524,7 +524,9 @@ def test_a_checkpoint_from_before_schema_3_with_a_turn_limit_in_extra_still_resu
     trainer, store = FakeTrainer(), []
     svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
                                            checkpointer=MemCheckpointer(trainer, store)))
-    trainer.step, svc.version = 2, 2
+    trainer.step = 2
+    svc.run.advance(2, 4)
+    svc.run.publish(2)
     extra = svc.checkpoint_extra()
     assert "turn_limit" not in extra
     store.append((2, {**extra, "turn_limit": 99}))
