@@ -18,16 +18,32 @@ connection to the learner) with these named tasks:
   safe point, ``engine.update_mode``), then awaits the swap's outcome;
 - ``signals`` (process-wide, outside the sessions): SIGTERM/SIGINT start a graceful stop.
 
-Weights (ordering contract).  ``applied`` is the ``(incarnation, version)`` of the weights
-the engine holds, set only when the engine reports the swap *applied* (``WeightSwap``):
-never when a pull finishes or a swap is merely queued.  A pull goes into one of two
-receive buffers, never into one the engine may still read (a buffer is reused only once
-its last ``WeightSwap`` is released).  A lease starts playing only when ``applied`` is the
-current learner incarnation's and at least the lease's version.  A failed swap leaves
-``applied`` as it was and the weights task pulls again; ``EngineBroken`` rebuilds the
-engine.  A Welcome or announcement from another learner incarnation (a restarted or
-resumed learner) invalidates ``applied``: those weights are dropped and pulled anew,
-even when the version number is the same or lower.
+Weights (ordering contract).  Weights move along one chain, *target -> pulled ->
+applied*; each link has exactly one writer and only ever follows the link before it:
+
+1. ``target`` (a ``PolicyAnnouncement``): the weights the learner wants played.  Written
+   by the session's ``Welcome`` (``_adopt``, before the session's tasks start) and then
+   only by the ``announcements`` task, which moves it forward (a larger ``(version,
+   step)``) within the Welcome's incarnation and ignores other incarnations' PUB.
+2. *pulled* (a receive buffer and its ``WeightSwap``): written only by ``_pull`` — the
+   session's first pull of the Welcome's weights (before its tasks start), then the
+   ``weights`` task, which pulls ``target``'s manifest when ``target`` is newer than
+   ``applied`` (or from another incarnation).  A pull goes into one of two receive
+   buffers, never into one the engine may still read (a buffer is reused only once its
+   last ``WeightSwap`` is released).
+3. ``applied`` (the ``(incarnation, version)`` of the weights the engine holds): written
+   only by ``_pull`` (same callers as *pulled*) from the engine's ``WeightSwap`` outcome:
+   set when the engine reports the swap *applied*, never when a pull finishes or a swap
+   is merely queued; cleared when the swapped weights do not checksum to the pulled
+   bytes or the engine broke (``EngineBroken`` rebuilds the engine).  A failed swap
+   leaves it as it was and the weights task pulls again.
+
+Readers compare incarnations: a lease starts playing only when ``applied`` is the current
+Welcome's incarnation's and at least the lease's version, and the weights task pulls
+whenever ``applied`` is another incarnation's.  So a Welcome from another learner
+incarnation (a restarted or resumed learner) makes the held weights count for nothing
+without anyone else writing ``applied``: they are pulled anew, even when the version
+number is the same or lower.
 
 Lost learner.  A control request that times out (``PeerTimeout``) or a
 ``not_registered`` answer ends the session: its nursery is cancelled (running groups
@@ -188,7 +204,8 @@ class Actor:
     welcome: Welcome | None = None
     target: PolicyAnnouncement | None = None
     applied: tuple[str, int] | None = None
-    """``(incarnation, version)`` of the weights the engine has applied (see the module docstring)."""
+    """``(incarnation, version)`` of the weights the engine has applied; written only by the
+    weight path (``_pull``; see the module docstring, "Weights")."""
     _ctx: zmq.Context | None = None
     _running: dict[str, trio.CancelScope] = field(default_factory=dict)
     _changed: trio.Event = field(default_factory=trio.Event)
@@ -317,9 +334,11 @@ class Actor:
         if self.runtime is None:
             self.runtime = await self.deps.make_runtime(welcome)
         if self.applied is not None and self.applied[0] != welcome.policy.incarnation:
+            # another learner process: its version numbers name other weights.  ``applied`` is
+            # the weight path's to write; _holds/_needs compare incarnations, so these no
+            # longer count and are pulled anew (module docstring, "Weights").
             log.info("learner incarnation changed (%s -> %s): dropping weights v%d", self.applied[0],
                      welcome.policy.incarnation, self.applied[1])
-            self.applied = None  # another learner process: its version numbers name other weights
         for ep in welcome.envs:
             if ep.name not in self.pools:
                 url = self.cfg.env_url or ep.url

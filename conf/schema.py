@@ -90,7 +90,7 @@ class EnvConfig:
     max_env_steps: int = 0
     """Per-episode env step cap enforced by the server (0: the env's own)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Env-specific options (levels, corpus paths, JVM pool size, ...)."""
+    """Env-specific options (BabyAI's text and level mix, corpus paths, JVM pool size, ...)."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     limits: ServerLimits = field(default_factory=ServerLimits)
     """Deadlines, sizes, quotas and connection limits of the server."""
@@ -401,8 +401,6 @@ class RunConfig:
 
     dir: str = "runs/default"
     actors: int = 2
-    levels: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 9, 10, 12, 13, 18])
-    """BabyAI level indices (``data_idx % 40``) of the run's task mix."""
     warmup_seeds: str = "0:30"
     """Seeds (``a:b``) whose tasks the oracle plays for the warm start."""
     train_seeds: str = "30:1000"
@@ -423,7 +421,6 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.actors >= 1, "run.actors", "must be >= 1")
-        _require(all(0 <= lvl < 40 for lvl in self.levels) and self.levels, "run.levels", "BabyAI level indices in [0, 40)")
         for key in ("warmup_seeds", "train_seeds", "test_seeds"):
             a, sep, b = getattr(self, key).partition(":")
             _require(sep == ":" and a.isdigit() and b.isdigit() and int(a) < int(b), f"run.{key}", "a seed range 'a:b' with a < b")

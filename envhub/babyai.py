@@ -39,6 +39,9 @@ Text (``env.options.text``):
   object straight ahead is named.  ``turnscale run``'s BabyAI default uses it (its warm start
   is oracle play).
 
+Level mix (``env.options.levels``): the level indices ``turnscale run`` writes its task
+lists from (``run_levels``); the server ignores it and plays any ``data_idx``.
+
 Levels: AgentGym's ``BabyAI-GoToObjS6-v0`` is minigrid < 2.4's registration of ``GoToObj`` with
 ``room_size=4`` (minigrid 2.4 renamed the fixed, 6-wide level to ``-v1`` and dropped ``-v0``);
 we build that same configuration (``BabyAI-GoToObjS4-v0``'s), so those ids are AgentGym's tasks.
@@ -619,8 +622,21 @@ class BabyAIFamily:
         pass
 
 
-OPTIONS = {"text": "agentgym"}
+RUN_LEVELS = [0, 1, 2, 3, 4, 9, 10, 12, 13, 18]
+"""Default ``env.options.levels``: the level mix ``turnscale run`` trains on."""
+
+OPTIONS = {"text": "agentgym", "levels": RUN_LEVELS}
 """Every option this family reads, with its default (documented in the module docstring)."""
+
+
+def run_levels(options: Any) -> list[int]:
+    """``env.options.levels``: the BabyAI level indices (``data_idx % 40``) of ``turnscale
+    run``'s task mix (validated; the server itself plays any ``data_idx``)."""
+    levels = read_options(options, OPTIONS, "babyai")["levels"]
+    if (not isinstance(levels, (list, tuple)) or not levels
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(LEVELS) for x in levels)):
+        raise ValueError(f"config key 'env.options.levels': {levels!r}; give BabyAI level indices in [0, {len(LEVELS)})")
+    return [int(x) for x in levels]
 
 
 def make_family(cfg: Any) -> BabyAIFamily:

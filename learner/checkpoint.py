@@ -11,7 +11,8 @@ Ordering: everything is written into ``<root>/.tmp-step-...`` and the folder is 
 to its final name only when complete (``os.rename`` is atomic on one filesystem), so a
 crash never leaves a half-written ``step-*`` folder; ``latest`` ignores temp folders and
 folders without ``meta.json``.  Older checkpoints beyond ``keep`` are removed after the
-rename.  ``extra`` is the service's opaque state (task cursor, leases, version); it must
+rename.  ``extra`` is the run's state, opaque here (``learner.runstate.RunState.state``:
+step, version, run id, trained groups; plus the task cursor and leases); it must
 be JSON-serialisable.
 """
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 
@@ -110,9 +110,31 @@ def oldest_version(group: TrajectoryGroup, default: int) -> int:
     return default if best is None else best
 
 
+class PolicyView(Protocol):
+    """Where the lease manager reads the run's current policy (``learner.runstate.RunState``
+    in the learner; it is never copied into the manager)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def turn_limit(self) -> int: ...
+
+
+@dataclass
+class FixedPolicy:
+    """A ``PolicyView`` of plain values, for a lease manager used on its own (tests, tools)."""
+
+    version: int = 0
+    turn_limit: int = 10
+
+
 @dataclass
 class LeaseManager:
-    """Owns live leases, the admission counter and intake decisions for one task stream."""
+    """Owns live leases, the admission counter and intake decisions for one task stream.
+
+    The current version (admission, staleness, future-version checks) and the turn limit
+    stamped on new leases are read from ``policy`` at each call; the manager keeps no copy."""
 
     stream: TaskStream
     group_size: int
@@ -121,10 +143,8 @@ class LeaseManager:
     ttl_s: float
     publish_every: int = 1
     seed: int = 0
-    version: int = 0
-    """Current policy version; the service sets it on every publication."""
-    turn_limit: int = 10
-    """Turn limit stamped on new leases; the service sets it from the schedule."""
+    policy: PolicyView = field(default_factory=FixedPolicy)
+    """The run's current version and turn limit (read-only here)."""
     limits: GroupLimits = field(default_factory=GroupLimits)
     """What a group must respect to be valid (vocabulary, context)."""
     accepted: int = 0
@@ -138,6 +158,16 @@ class LeaseManager:
     _unreported: list[Lease] = field(default_factory=list)
     """Expired leases not yet handed to ``take_expired`` (expiry also happens inside
     ``grant``, ``heartbeat`` and ``intake``; the service reports all of them once)."""
+
+    @property
+    def version(self) -> int:
+        """Current policy version (``policy.version``)."""
+        return self.policy.version
+
+    @property
+    def turn_limit(self) -> int:
+        """Turn limit stamped on new leases (``policy.turn_limit``)."""
+        return self.policy.turn_limit
 
     # ------------------------------------------------------------------ admission
     @property

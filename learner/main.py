@@ -1,6 +1,6 @@
 """``turnscale learner [hydra overrides]`` / ``python -m learner``: build the parts, run the loop.
 
-``run(cfg)`` reads top to bottom: model path -> trainer -> schedule -> weight publisher ->
+``run(cfg)`` reads top to bottom: resolved config -> ``<learner.dir>/config.yaml``, model path -> trainer -> schedule -> weight publisher ->
 checkpointer -> loggers -> service (-> resume) -> serve.  Everything the loop does is in
 ``learner.service``.
 """
@@ -99,8 +99,11 @@ async def run(cfg: Config) -> int:
     from learner.weights import WeightPublisher
     from protocol.transport import tcp_endpoint
 
+    import conf
+
     lc = cfg.learner
     os.makedirs(lc.dir, exist_ok=True)
+    conf.save(cfg, os.path.join(lc.dir, "config.yaml"))  # the resolved config, next to checkpoints/
     model_path = await trio.to_thread.run_sync(resolve_model_path, cfg)
     trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
     if cfg.algo.name == "sft" and lc.sft_data:

@@ -19,15 +19,24 @@ One trio nursery holds four named tasks under ``LearnerService.serve``:
   loss or gradient: the weights are unchanged, ``step`` does not advance) is counted
   and neither publishes nor checkpoints.  Ordering after each step:
 
-  1. metrics of the step are reduced and written;
-  2. the turn limit for new leases becomes the schedule's limit at the new step;
-  3. every ``publish_every`` steps: granting pauses, the state dict is gathered and
+  1. the run's step advances (``RunState.advance``, as soon as the trainer's thread
+     returns) and with it the turn limit for new leases (the schedule's limit at the new
+     step: derived, never copied); the step's metrics are reduced and written — no await
+     in between, so no request is answered half-way;
+  2. every ``publish_every`` steps: granting pauses, the state dict is gathered and
      handed to the weight publisher (its own thread and socket), *then* ``version``
-     advances, *then* the announcement goes out, *then* admission widens
-     (``LeaseManager.version``) and granting resumes — so no lease ever names a version
-     whose weights cannot be pulled, nor an outdated turn limit or version;
-  4. every ``checkpoint_every`` steps (and after the last) a checkpoint is written
-     with the task cursor, version and lease state in ``extra``.
+     advances (``RunState.publish``: admission and staleness checks read it from there),
+     *then* the announcement goes out, *then* granting resumes — so no lease ever names a
+     version whose weights cannot be pulled, nor an outdated turn limit or version;
+  3. every ``checkpoint_every`` steps (and after the last) a checkpoint is written
+     with the run state (``RunState.state``: step, version, run id, trained groups) and
+     the task cursor and lease state in ``extra`` (not the turn limit: it follows from
+     the step and the schedule; an old checkpoint's ``turn_limit`` is ignored).
+
+State: ``self.run`` (``learner.runstate.RunState``) owns step, version, run id,
+incarnation and trained groups, and derives the turn limit; ``self.leases`` owns the
+task cursor, live leases and admission counter and reads version and turn limit from
+``self.run``.  Nothing else holds a copy.
 
 Intake (``_group``): the group is validated and, when accepted, buffered *before*
 anything is written about it; a trajectory-log failure costs the log line (counted as
@@ -52,7 +61,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -62,6 +70,7 @@ import zmq
 
 from conf.schema import Config
 from learner.leases import LeaseManager, Ready
+from learner.runstate import RunState
 from learner.registry import ActorRegistry, short
 from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
@@ -145,16 +154,14 @@ class LearnerService:
         self.parts = parts
         lc = cfg.learner
         self.tasks = parse_task_spec(cfg.env.tasks.train, cfg.env.name, "train")
+        self.run = RunState(parts.schedule, step=parts.trainer.step)
+        """Step, version, run id, incarnation, trained groups; the turn limit (see the module docstring)."""
         self.leases = LeaseManager(
             stream=TaskStream(self.tasks, seed=lc.seed), group_size=cfg.algo.group_size,
             groups_per_step=lc.groups_per_step, max_staleness=lc.max_staleness, ttl_s=lc.lease_ttl_s,
-            publish_every=lc.publish_every, seed=lc.seed,
+            publish_every=lc.publish_every, seed=lc.seed, policy=self.run,
             limits=GroupLimits(vocab_size=parts.vocab_size, max_tokens=cfg.sampling.max_context_tokens),
         )
-        self.run_id = uuid.uuid4().hex[:12]
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.version = 0
-        self.trained_groups = 0
         self.buffer: list[Ready] = []
         """Accepted groups waiting for a batch, in arrival order."""
         mb = int(lc.max_message_mb * (1 << 20))
@@ -179,17 +186,33 @@ class LearnerService:
         self.ready = trio.Event()
         """Set once sockets are bound and version 0 (or the resumed version) is published."""
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (read from self.run)
     @property
     def step(self) -> int:
-        return self.parts.trainer.step
+        return self.run.step
+
+    @property
+    def version(self) -> int:
+        return self.run.version
 
     @property
     def turn_limit(self) -> int:
-        return int(self.parts.schedule.limit_at(self.step))
+        return self.run.turn_limit
+
+    @property
+    def run_id(self) -> str:
+        return self.run.run_id
+
+    @property
+    def incarnation(self) -> str:
+        return self.run.incarnation
+
+    @property
+    def trained_groups(self) -> int:
+        return self.run.trained_groups
 
     def announcement(self) -> PolicyAnnouncement:
-        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.step, manifest=self.manifest,
+        return PolicyAnnouncement(version=self.version, step=self.step, manifest=self.manifest,
                                   incarnation=self.incarnation)
 
     def restore(self) -> bool:
@@ -198,23 +221,15 @@ class LearnerService:
         extra = ck.load_latest() if ck is not None else None
         if extra is None:
             return False
+        self.run.load(extra, trainer_step=self.parts.trainer.step)
         self.last_checkpoint_step = self.step
-        if int(extra["step"]) != self.step:
-            raise RuntimeError(f"checkpoint says step {extra['step']} but the trainer restored step {self.step}")
-        self.version = int(extra["version"])
-        self.run_id = str(extra.get("run_id", self.run_id))
-        self.trained_groups = int(extra.get("trained_groups", 0))
         self.leases.load_state(extra["leases"], self.tasks)
-        self.leases.version = self.version
         log.info("resumed at step %d, version %d, turn limit %d", self.step, self.version, self.turn_limit)
         return True
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "version": self.version, "turn_limit": self.turn_limit, "run_id": self.run_id,
-            "trained_groups": self.trained_groups,
-            "leases": self.leases.state(self.trained_groups, untrained=[r.lease.task for r in self.buffer]),
-        }
+        return {**self.run.state(),
+                "leases": self.leases.state(self.trained_groups, untrained=[r.lease.task for r in self.buffer])}
 
     # ------------------------------------------------------------------ serve
     async def serve(self) -> None:
@@ -227,7 +242,6 @@ class LearnerService:
         pub.bind(tcp_endpoint(lc.host, lc.pub_port))
         self._pub = AsyncSocket(pub)
         try:
-            self.leases.turn_limit = self.turn_limit
             await self._publish_weights(self.version)
             self.ready.set()
             log.info("learner %s ready: control %s, version %d, step %d/%d", self.run_id,
@@ -249,9 +263,8 @@ class LearnerService:
         try:
             sd = await trio.to_thread.run_sync(self.parts.weights)
             self.manifest = await trio.to_thread.run_sync(self.parts.publisher.publish, version, sd)
-            self.version = version
+            self.run.publish(version)
             await self._announce()
-            self.leases.version = version
         finally:
             self.publishing = False
 
@@ -293,7 +306,6 @@ class LearnerService:
                 await self._train_one(batch)
                 if self.step == before:
                     continue  # refused (non-finite) or nothing trainable: same weights, nothing to publish
-                self.leases.turn_limit = self.turn_limit
                 if self.step % lc.publish_every == 0:
                     await self._publish_weights(self.version + 1)
                 if self.step % lc.checkpoint_every == 0 or self.step >= lc.steps:
@@ -339,7 +351,7 @@ class LearnerService:
         t1 = time.monotonic()
         m = self.metrics
         record_train(m, out)
-        if self.step == before:  # refused: non-finite loss/gradient, or nothing trainable
+        if self.parts.trainer.step == before:  # refused: non-finite loss/gradient, or nothing trainable
             why = "nonfinite" if out.get("train/nonfinite") else "empty"
             m.add(f"train/steps_skipped/{why}", 1, "sum")
             for r in ready:  # their admission slots come back (else a synchronous run would stall)
@@ -347,7 +359,7 @@ class LearnerService:
                 self._ledger(r, f"skipped_{why}", before + 1)
             log.warning("step %d not taken (%s); the weights are unchanged", self.step + 1, why)
             return
-        self.trained_groups += len(batch)
+        self.run.advance(self.parts.trainer.step, len(batch))  # the turn limit moves with it
         tokens = sum(int(np.asarray(ep.loss_mask).sum()) for g in batch for ep in g.episodes)
         wall = max(t1 - self._last_step_end, 1e-9)
         for r in ready:
@@ -443,7 +455,7 @@ class LearnerService:
             if a is None:
                 return _not_registered()
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
-            return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now), policy_version=self.version)
+            return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now))
         if isinstance(msg, Goodbye):
             if self.actors.bound(msg.actor_id, identity) is None:
                 return _not_registered()

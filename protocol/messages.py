@@ -37,8 +37,10 @@ import numpy as np
 from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 2
-"""Bumped on every incompatible change; a message with another version is rejected."""
+SCHEMA_VERSION = 3
+"""Bumped on every incompatible change; a message with another version is rejected.
+(3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
+read them; a lease carries its turn limit and version.)"""
 
 FINISH_REASONS = frozenset(
     {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
@@ -218,12 +220,11 @@ class PolicyAnnouncement:
 
     version: int
     """Policy version now current; actors tag sampled tokens with it after swapping."""
-    turn_limit: int
-    """Turn limit in force for leases issued from now on (ScalingInter-RL stage)."""
     step: int
     """Learner optimizer step at publication."""
     manifest: WeightManifest | None = None
-    """How to pull the weights; ``None`` when only the turn limit changed."""
+    """How to pull the weights; ``None`` only before the first publication.  (The turn limit
+    is not announced: every lease carries the limit it was issued under.)"""
     incarnation: str = ""
     """Identifies the learner *process* that published these weights: a fresh random id per
     start, also after a resume (``run_id`` survives resumes).  ``(incarnation, version)``
@@ -488,8 +489,6 @@ class HeartbeatAck:
 
     unknown_lease_ids: list[str]
     """Leases the learner no longer holds (expired and re-issued): abandon them."""
-    policy_version: int
-    """Learner's current version (catch-up hint if an announcement was missed)."""
 
 
 @record

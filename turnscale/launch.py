@@ -166,17 +166,20 @@ class Launcher:
         from turnscale.tinymodel import ensure_model
         from turnscale.warmstart import corpus_from_conversations, oracle_conversations, write_conversations
 
+        from envhub.babyai import run_levels
+
         rc, env = self.cfg.run, self.cfg.env
+        levels = run_levels(env.options)
         tasks_dir = self.dir / "tasks"
         files = {
-            "warmup": write_tasks(tasks_dir / "warmup.json", task_ids(rc.levels, rc.warmup_seeds)),
-            "train": write_tasks(tasks_dir / "train.json", task_ids(rc.levels, rc.train_seeds)),
-            "test": write_tasks(tasks_dir / "test.json", task_ids(rc.levels, rc.test_seeds)),
+            "warmup": write_tasks(tasks_dir / "warmup.json", task_ids(levels, rc.warmup_seeds)),
+            "train": write_tasks(tasks_dir / "train.json", task_ids(levels, rc.train_seeds)),
+            "test": write_tasks(tasks_dir / "test.json", task_ids(levels, rc.test_seeds)),
         }
         sft_path = self.dir / "warmstart" / "conversations.jsonl"
         warm_ids = json.loads(Path(files["warmup"]).read_text())[: rc.warm_start.episodes]
         n = write_conversations(sft_path, oracle_conversations(env.name, warm_ids, max_turns=rc.warm_start.max_turns))
-        self.say(f"warm start data: {n} oracle conversations on {len(rc.levels)} BabyAI levels -> {sft_path}")
+        self.say(f"warm start data: {n} oracle conversations on {len(levels)} BabyAI levels -> {sft_path}")
         model_path = ensure_model(self.cfg.model, lambda: corpus_from_conversations(sft_path))
         self.say(f"model: {model_path}")
         return files, str(sft_path), model_path

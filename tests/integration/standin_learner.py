@@ -102,7 +102,7 @@ class StandInLearner:
 
     # ------------------------------------------------------------------ learner side
     def announcement(self) -> PolicyAnnouncement:
-        return PolicyAnnouncement(version=self.version, turn_limit=self.turn_limit, step=self.version, manifest=self.manifest,
+        return PolicyAnnouncement(version=self.version, step=self.version, manifest=self.manifest,
                                   incarnation=self.incarnation)
 
     async def _serve(self) -> None:
@@ -163,7 +163,7 @@ class StandInLearner:
             return GroupAck(lease_id=msg.lease_id, accepted=True)
         if isinstance(msg, Heartbeat):
             self.heartbeats.append(msg)
-            return HeartbeatAck(unknown_lease_ids=[l for l in msg.lease_ids if l not in self.leases], policy_version=self.version)
+            return HeartbeatAck(unknown_lease_ids=[l for l in msg.lease_ids if l not in self.leases])
         if isinstance(msg, Goodbye):
             self.goodbyes.append(msg)
             return GroupAck(lease_id="", accepted=True)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import conf
 from protocol.transport import free_port
 from tests.envhub_proc import envhub_server
 
@@ -84,6 +85,7 @@ def test_learner_and_two_actors_train_publish_and_resume(tmp_path):
             learner_log = open(logs["learner"]).read()
             assert "actor a1 registered" in learner_log and "actor a2 registered" in learner_log
             assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step-00000004"))
+            assert conf.load_file(os.path.join(run_dir, "config.yaml")).learner.dir == run_dir  # the resolved config
 
             # a restarted learner resumes at step 4 / version 4; SIGTERM checkpoints it mid-run;
             # a third learner resumes from there, and the same actor feeds both

@@ -85,7 +85,7 @@ def test_dealer_router_request_response_between_two_processes(peer):
         with trio.fail_after(60):
             welcome = await req.request(m.Hello(actor_id="a-1", host="h", pid=os.getpid(), engine="sim", device="cpu", max_groups=2),
                                         timeout_s=10, expect=m.Welcome)
-            assert welcome.actor_id == "a-1" and welcome.policy.turn_limit == 5
+            assert welcome.actor_id == "a-1" and welcome.policy.version == 0
             grant = await req.request(m.LeaseRequest(actor_id="a-1", max_leases=3), timeout_s=10, expect=m.LeaseGrant)
             assert [lease.lease_id for lease in grant.leases] == ["l-0", "l-1", "l-2"]
             # small (inline arrays) and ~4 MB (out-of-band arrays) groups arrive intact

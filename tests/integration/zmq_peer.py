@@ -39,7 +39,7 @@ def digest(group: m.TrajectoryGroup) -> str:
 
 def answer(msg: object) -> object:
     if isinstance(msg, m.Hello):
-        policy = m.PolicyAnnouncement(version=0, turn_limit=5, step=0)
+        policy = m.PolicyAnnouncement(version=0, step=0)
         return m.Welcome(run_id="peer", actor_id=msg.actor_id, model_path="tiny", renderer="chatml", sampling=m.SamplingParams(),
                          envs=[], transfer_dtype="float32", pub_endpoint="", weights_endpoint="", heartbeat_interval_s=1.0, policy=policy)
     if isinstance(msg, m.LeaseRequest):
@@ -49,7 +49,7 @@ def answer(msg: object) -> object:
     if isinstance(msg, m.TrajectoryGroup):
         return m.GroupAck(lease_id=msg.lease_id, accepted=True, reason=digest(msg))
     if isinstance(msg, m.Heartbeat):
-        return m.HeartbeatAck(unknown_lease_ids=[], policy_version=0)
+        return m.HeartbeatAck(unknown_lease_ids=[])
     return m.ErrorReply(code="unexpected", message=f"{type(msg).__name__} is not a request")
 
 
@@ -71,7 +71,7 @@ async def publish(pub: AsyncSocket) -> None:
     version = 0
     while True:
         version += 1
-        await pub.send_msg(m.PolicyAnnouncement(version=version, turn_limit=5, step=version))
+        await pub.send_msg(m.PolicyAnnouncement(version=version, step=version))
         await trio.sleep(0.02)
 
 

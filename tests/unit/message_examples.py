@@ -51,7 +51,7 @@ def manifest(version: int = 3) -> m.WeightManifest:
 
 
 def announcement() -> m.PolicyAnnouncement:
-    return m.PolicyAnnouncement(version=3, turn_limit=10, step=120, manifest=manifest())
+    return m.PolicyAnnouncement(version=3, step=120, manifest=manifest())
 
 
 def examples() -> dict[str, Any]:
@@ -67,7 +67,7 @@ def examples() -> dict[str, Any]:
         m.ChunkInfo(index=0, offset=0, nbytes=128, checksum=99),
         manifest(),
         announcement(),
-        m.PolicyAnnouncement(version=4, turn_limit=20, step=200, manifest=None),
+        m.PolicyAnnouncement(version=4, step=200, manifest=None),
         m.WeightChunkRequest(version=3, index=1),
         m.WeightChunk(version=3, index=1, checksum=456, data=np.arange(44, dtype=np.uint8)),
         m.Hello(actor_id="h-1-x", host="h", pid=123, engine="hf", device="cpu", max_groups=2),
@@ -85,7 +85,7 @@ def examples() -> dict[str, Any]:
                           episodes=[episode(seed=1), episode(seed=2, finish_reason="env_error")]),
         m.GroupAck(lease_id="l-17", accepted=False, reason="stale"),
         m.Heartbeat(actor_id="h-1-x", lease_ids=["l-17", "l-18"], policy_version=3, stats={"engine_busy": 0.5, "tokens": 1e6}),
-        m.HeartbeatAck(unknown_lease_ids=["l-18"], policy_version=4),
+        m.HeartbeatAck(unknown_lease_ids=["l-18"]),
         m.Goodbye(actor_id="h-1-x", reason="sigterm"),
         m.Shutdown(reason="done"),
         m.ErrorReply(code="bad_message", message="TrajectoryGroup.episodes[0].loss_mask: too long", retryable=False),
@@ -99,7 +99,7 @@ def examples() -> dict[str, Any]:
 def all_examples() -> list[Any]:
     """Every example, including the second variant of a type (failed group, announcement without manifest)."""
     ex = list(examples().values())
-    ex.append(m.PolicyAnnouncement(version=4, turn_limit=20, step=200, manifest=None))
+    ex.append(m.PolicyAnnouncement(version=4, step=200, manifest=None))
     ex.append(m.TrajectoryGroup(lease_id="l-2", actor_id="a", task=m.Task(env="x", data_idx=0), turn_limit=5, failed=True,
                                 error="env died", episodes=[episode(seed=2, finish_reason="env_error")]))
     return ex

@@ -227,7 +227,7 @@ STRICT_CASES: list[tuple[str, Callable[[], list], str]] = [
     ("wrong type bool", lambda: [env("GroupAck", {"lease_id": "x", "accepted": 1})], r"GroupAck\.accepted: expected bool, got int"),
     ("wrong type float", lambda: [env("LeaseGrant", {"leases": [], "retry_after_s": "1"})], r"LeaseGrant\.retry_after_s: expected float"),
     ("list expected", lambda: [env("LeaseGrant", {"leases": {}, "retry_after_s": 1.0})], r"LeaseGrant\.leases: expected a list"),
-    ("list item wrong", lambda: [env("HeartbeatAck", {"unknown_lease_ids": ["a", 3], "policy_version": 1})], r"HeartbeatAck\.unknown_lease_ids\[1\]: expected str"),
+    ("list item wrong", lambda: [env("HeartbeatAck", {"unknown_lease_ids": ["a", 3]})], r"HeartbeatAck\.unknown_lease_ids\[1\]: expected str"),
     ("dict value wrong", lambda: [env("Heartbeat", {"actor_id": "a", "lease_ids": [], "policy_version": 1, "stats": {"x": "y"}})], r"Heartbeat\.stats\['x'\]: expected float"),
     ("null not allowed", lambda: [env("Shutdown", {"reason": None})], r"Shutdown\.reason"),
     ("nested record missing field", lambda: _edit(examples()["Lease"], _set("task", {"env": "x"})), r"Lease\.task\.data_idx: missing required field"),
@@ -324,7 +324,7 @@ def test_array_shape_claiming_huge_size_is_rejected_before_allocation():
 
 
 def test_list_over_max_items_is_rejected():
-    msg = m.HeartbeatAck(unknown_lease_ids=["x"] * 20, policy_version=1)
+    msg = m.HeartbeatAck(unknown_lease_ids=["x"] * 20)
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         codec.decode(codec.encode(msg), codec.Limits(max_items=10))
     with pytest.raises(ProtocolError, match="not valid msgpack"):

@@ -58,3 +58,23 @@ def test_keys_no_yaml_sets_can_be_overridden_without_plus():
     assert (cfg.learner.port, cfg.actor.max_groups, cfg.run.actors) == (6001, 3, 4)
     with pytest.raises(conf.ConfigError, match="learner.portt"):
         conf.load(["learner.portt=1"])
+
+
+def test_babyai_level_mix_is_an_env_option_and_the_old_key_names_the_new_one():
+    from envhub.babyai import RUN_LEVELS, run_levels
+
+    assert run_levels(conf.load([]).env.options) == RUN_LEVELS
+    assert run_levels(conf.load(["experiment=run_babyai"]).env.options) == [0, 1, 2, 3, 4]
+    assert run_levels(conf.load(["++env.options.levels=[7,8]"]).env.options) == [7, 8]
+    with pytest.raises(ValueError, match=r"env.options.levels"):
+        run_levels({"levels": [40]})
+    with pytest.raises(conf.ConfigError, match=r"run.levels' moved to 'env.options.levels'"):
+        conf.load(["run.levels=[1,2]"])
+
+
+def test_a_saved_resolved_config_loads_back_equal(tmp_path):
+    cfg = conf.load(["experiment=run_babyai", "learner.steps=7", "++env.options.levels=[2,3]"])
+    path = str(tmp_path / "config.yaml")
+    conf.save(cfg, path)
+    assert conf.load_file(path) == cfg
+    assert "steps: 7" in open(path).read()

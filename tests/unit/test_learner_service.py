@@ -134,7 +134,7 @@ def test_synchronous_run_trains_every_group_once_and_advances_versions():
         req = await client(ctx, cfg)
         w = await req.request(Hello(actor_id="a1", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
         assert isinstance(w, Welcome) and w.model_path == "/models/tiny" and w.policy.version == 0
-        assert w.policy.turn_limit == 6 and w.policy.manifest is not None
+        assert svc.turn_limit == 6 and w.policy.manifest is not None
         seen_turn_limits, sent = [], []
         while svc.step < 3:
             g = await req.request(LeaseRequest(actor_id="a1", max_leases=4), timeout_s=5)
@@ -175,7 +175,7 @@ def test_synchronous_run_trains_every_group_once_and_advances_versions():
         assert m["rollout/return"] == 0.5 and m["rollout/staleness/0"] == 2
         assert m["loss/pg"] == pytest.approx(0.1 * st) and m["loss/grad_norm"] == 1.0
         assert m["rollout/turn_limit"] == (6 if st <= 2 else 13)
-    assert store[-1][1]["version"] == 3 and store[-1][1]["turn_limit"] == 13
+    assert store[-1][1]["version"] == 3 and FakeSchedule().limit_at(store[-1][1]["step"]) == 13  # the limit follows from the step
 
 
 def test_bad_messages_get_error_replies_and_the_loop_keeps_serving():
@@ -515,3 +515,22 @@ def test_after_the_last_step_requests_are_answered_shutdown_and_the_learner_wait
     assert seen["lingering"]
     assert seen["left_after_s"] < 5  # not the 30 s bound
     assert "c" not in svc.actors.actors  # the newcomer was never registered
+
+
+def test_a_checkpoint_from_before_schema_3_with_a_turn_limit_in_extra_still_resumes():
+    """``extra["turn_limit"]`` is no longer written (the schedule gives it from the step); an
+    old checkpoint that has one resumes, and the limit still comes from the schedule."""
+    cfg = make_cfg()
+    trainer, store = FakeTrainer(), []
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
+                                           checkpointer=MemCheckpointer(trainer, store)))
+    trainer.step = 2
+    svc.run.advance(2, 4)
+    svc.run.publish(2)
+    extra = svc.checkpoint_extra()
+    assert "turn_limit" not in extra
+    store.append((2, {**extra, "turn_limit": 99}))
+    trainer2 = FakeTrainer()
+    svc2 = LearnerService(cfg, ServiceParts(trainer=trainer2, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
+                                            checkpointer=MemCheckpointer(trainer2, store)))
+    assert svc2.restore() and (svc2.step, svc2.version, svc2.turn_limit) == (2, 2, 13)

@@ -3,7 +3,7 @@ from dataclasses import replace
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from learner.leases import LeaseManager
+from learner.leases import FixedPolicy, LeaseManager
 from learner.tasks import TaskStream, parse_task_spec
 from tests.unit.fakes import make_group
 
@@ -20,7 +20,7 @@ def test_admission_follows_areal_rule():
     m = manager(max_staleness=1, groups_per_step=4)
     assert len(m.grant("a1", 100, now=0)) == 8  # (1 + 0 + 1) * 4
     assert m.grant("a1", 1, now=0) == []
-    m.version = 1
+    m.policy.version = 1
     assert len(m.grant("a1", 100, now=0)) == 4
 
 
@@ -33,7 +33,7 @@ def test_synchronous_mode_issues_one_batch_per_version():
     assert m.grant("a1", 10, now=1) == []  # waiting for the last group
     assert m.intake(make_group(leases[2]), now=1).accepted
     assert m.grant("a1", 10, now=1) == []  # all in, but not trained/published yet
-    m.version = 1
+    m.policy.version = 1
     nxt = m.grant("a1", 10, now=2)
     assert len(nxt) == 3 and all(l.policy_version == 1 for l in nxt)
 
@@ -93,7 +93,7 @@ def test_intake_drop_reasons():
 def test_group_stale_on_arrival_is_dropped_and_its_task_reissued():
     m = manager(max_staleness=1)
     (l1, l2) = m.grant("a1", 2, now=0)
-    m.version = 2
+    m.policy.version = 2
     r = m.intake(make_group(l1, version=0), now=1)
     assert (r.accepted, r.reason, r.staleness) == (False, "stale", 2)
     assert m.stream.pending_reissue == [l1.task]
@@ -106,11 +106,11 @@ def test_group_fresh_on_arrival_but_stale_when_the_batch_forms_is_not_trained():
     published: training it now would be staleness 2.  form_batch drops and re-issues it."""
     m = manager(max_staleness=1, groups_per_step=1)
     (l1, l2) = m.grant("a1", 2, now=0)
-    m.version = 1
+    m.policy.version = 1
     r1 = m.intake(make_group(l1, version=0), now=1)
     assert r1.accepted and r1.staleness == 1
     ready = [m.ready(make_group(l1, version=0), r1)]
-    m.version = 2
+    m.policy.version = 2
     r2 = m.intake(make_group(l2, version=1), now=1)
     ready.append(m.ready(make_group(l2, version=1), r2))
     batch, rest, stale = m.form_batch(ready, 1)
@@ -130,9 +130,9 @@ def test_goodbye_releases_leases_for_reissue():
 
 
 def test_group_leased_under_previous_turn_limit_is_trained_within_staleness():
-    m = manager(turn_limit=6)
+    m = manager(policy=FixedPolicy(turn_limit=6))
     (l1,) = m.grant("a1", 1, now=0)
-    m.turn_limit = 13
+    m.policy.turn_limit = 13
     (l2,) = m.grant("a1", 1, now=0)
     assert (l1.turn_limit, l2.turn_limit) == (6, 13)
     assert m.intake(make_group(l1), now=1).accepted
@@ -196,7 +196,7 @@ def test_no_group_is_trained_beyond_max_staleness_and_nothing_is_lost_or_trained
             if batch:
                 steps += 1
                 if steps % publish_every == 0:
-                    m.version += 1
+                    m.policy.version += 1
         assert m.in_flight + m.accepted <= m.limit
         assert m.accepted == len(trained_ids) + len(ready)
         assert m.stream.cursor.epoch == 0

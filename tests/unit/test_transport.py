@@ -451,9 +451,9 @@ def test_curve_pair_with_the_right_server_key_talks(ctx):
     async def main():
         r, d = AsyncSocket(router), AsyncSocket(dealer)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_serve, r, lambda msg: (0.0, m.HeartbeatAck(unknown_lease_ids=[], policy_version=7)), 1)
+            nursery.start_soon(_serve, r, lambda msg: (0.0, m.HeartbeatAck(unknown_lease_ids=["l-7"])), 1)
             ack = await Requester(d).request(m.Heartbeat(actor_id="a", lease_ids=[], policy_version=7), timeout_s=5, expect=m.HeartbeatAck)
-        assert ack.policy_version == 7
+        assert ack.unknown_lease_ids == ["l-7"]
 
     run(main)
 
