@@ -6,14 +6,26 @@ versions) and the renderer's observation delta (``loss_mask`` 0, log-prob 0, ver
 Each prompt is the previous prompt plus sampled ids plus delta, so it extends the
 previous one by construction; ``Renderer.extend`` checks that against the chat template.
 
-Ending (``finish_reason``), checked in this order each turn:
-``context_limit`` (no room left under ``sampling.max_context_tokens`` to generate, or
-the next observation would not fit), ``aborted`` (the engine aborted or failed),
-``env_error`` (any exception from the env; its text is kept in ``error``),
-``render_error`` (``RenderError``), ``done`` (the env reached a terminal state),
-``truncated`` (the env cut the episode at its own time limit: not terminal, so GAE
-bootstraps from the critic there), ``turn_limit`` (the lease's limit was reached).  A parse failure is an ordinary turn: the env is not
-stepped and the parser's hint becomes the observation (reward 0).
+Phases and state.  ``run_episode`` builds an ``EpisodeContext`` (what the episode plays
+with: engine, renderer, env session, parser, sampling, turn limit, seed, stop ids) and an
+``EpisodeState`` (what it has built so far: the token stream and its per-token columns, the
+chat messages, the turns, reward and success), then runs the phases on them.  A phase ends
+the episode by raising ``EpisodeEnd(reason, error)``; the state becomes the ``Episode``
+with that ``finish_reason`` (``error`` keeps the env's or the engine's text).  In order:
+
+1. ``_begin``: env reset (``env_error``), initial prompt rendered (``render_error``);
+2. each turn ``i < turn_limit`` (``_play_turn``, the turn in play is a ``TurnState``):
+   ``_generate``: ``context_limit`` (no room left under ``sampling.max_context_tokens`` to
+   generate), ``aborted`` (the engine aborted or failed); parse, then the env step
+   (``env_error``: any exception from the env, after the turn is recorded); the turn is
+   recorded, then ``done`` (the env reached a terminal state) or ``truncated`` (the env
+   cut the episode at its own time limit: not terminal, so GAE bootstraps from the critic
+   there); unless it was the last turn, ``_observe`` appends the observation's delta
+   (``render_error``: ``RenderError``; ``context_limit``: the next observation would not fit);
+3. every turn played: ``turn_limit`` (the lease's limit was reached).
+
+A parse failure is an ordinary turn: the env is not stepped and the parser's hint becomes
+the observation (reward 0).
 """
 
 from __future__ import annotations
@@ -47,26 +59,95 @@ def turn_seed(seed: int, turn: int) -> int:
     return int(np.random.SeedSequence([seed & 0xFFFFFFFFFFFF, turn]).generate_state(1, np.uint64)[0] >> 1)
 
 
-class _Stream:
-    """The growing token stream with its per-token columns."""
+class EpisodeEnd(Exception):
+    """Raised by a phase to end the episode with ``reason`` (and ``error`` text)."""
 
-    def __init__(self, prompt: list[int]) -> None:
-        self.ids = list(prompt)
-        self.mask = [0] * len(prompt)
-        self.logprobs = [0.0] * len(prompt)
-        self.versions = [-1] * len(prompt)
+    def __init__(self, reason: str, error: str = "") -> None:
+        super().__init__(reason, error)
+        self.reason, self.error = reason, error
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeContext:
+    """What an episode plays with; fixed for its whole length."""
+
+    engine: Engine
+    renderer: Renderer
+    env: EnvSession
+    parser: ActionParser
+    sampling: SamplingParams
+    turn_limit: int
+    seed: int
+    """The episode's seed; turn ``i`` samples with ``turn_seed(seed, i)``."""
+    stop_ids: tuple[int, ...]
+    """``renderer.stop_token_ids``: every turn's ``GenerateRequest.stop_token_ids``."""
+
+
+@dataclasses.dataclass
+class EpisodeState:
+    """What an episode has built so far: the token stream with its per-token columns, the
+    chat messages it renders from, its turns and its reward."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    prompt_len: int = 0
+    """Length of the initial prompt (0 until it is rendered)."""
+    reward: float = 0.0
+    success: bool = False
 
     def add_sampled(self, ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
-        self.ids += ids.tolist()
-        self.mask += [1] * len(ids)
+        self.token_ids += ids.tolist()
+        self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs.tolist()
         self.versions += versions.tolist()
 
     def add_context(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.mask += [0] * len(ids)
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+
+    def episode(self, ctx: EpisodeContext, end: EpisodeEnd) -> Episode:
+        return Episode(
+            token_ids=np.asarray(self.token_ids, dtype=np.int32),
+            loss_mask=np.asarray(self.loss_mask, dtype=np.uint8),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int32),
+            prompt_len=self.prompt_len,
+            turns=self.turns,
+            finish_reason=end.reason,
+            reward=float(self.reward),
+            success=bool(self.success),
+            turn_limit=ctx.turn_limit,
+            error=end.error,
+        )
+
+
+@dataclasses.dataclass
+class TurnState:
+    """One turn in play: what the engine sampled, then what the env made of it."""
+
+    index: int
+    prompt: list[int]
+    """The prompt it continued (the stream before the turn)."""
+    token_start: int
+    out_ids: list[int]
+    stopped: bool
+    """The output ended with the renderer's end-of-turn token."""
+    text: str
+    policy_version: int
+    gen_s: float
+    # the outcome, set once the env stepped (or the parser refused the text)
+    action: str = ""
+    parse_error: bool = False
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = False
+    env_s: float = 0.0
 
 
 async def run_episode(
@@ -83,101 +164,113 @@ async def run_episode(
 ) -> Episode:
     """Play one episode of ``task``; never raises for env, engine or render failures
     (they become the finish reason); trio cancellation propagates."""
-    stream = _Stream([])
-    turns: list[Turn] = []
-    total, success = 0.0, False
-
-    def finish(reason: str, error: str = "") -> Episode:
-        return Episode(
-            token_ids=np.asarray(stream.ids, dtype=np.int32),
-            loss_mask=np.asarray(stream.mask, dtype=np.uint8),
-            logprobs=np.asarray(stream.logprobs, dtype=np.float32),
-            versions=np.asarray(stream.versions, dtype=np.int32),
-            prompt_len=prompt_len,
-            turns=turns,
-            finish_reason=reason,
-            reward=float(total),
-            success=bool(success),
-            turn_limit=turn_limit,
-            error=error,
-        )
-
-    prompt_len = 0
+    ctx = EpisodeContext(engine=engine, renderer=renderer, env=env, parser=parser, sampling=sampling,
+                         turn_limit=turn_limit, seed=seed, stop_ids=tuple(renderer.stop_token_ids))
+    state = EpisodeState()
     try:
-        obs, _info = await env.reset(task.data_idx)
+        await _begin(ctx, state, task, prompt)
+        for index in range(turn_limit):
+            await _play_turn(ctx, state, index)
+    except EpisodeEnd as end:
+        return state.episode(ctx, end)
+    return state.episode(ctx, EpisodeEnd("turn_limit"))
+
+
+async def _begin(ctx: EpisodeContext, state: EpisodeState, task: Task, prompt: str) -> None:
+    """Reset the env and render the initial prompt (``env_error``, ``render_error``)."""
+    try:
+        obs, _info = await ctx.env.reset(task.data_idx)
     except Exception as exc:
-        return finish("env_error", f"reset failed: {type(exc).__name__}: {exc}")
-    messages = initial_messages(prompt, obs)
+        raise EpisodeEnd("env_error", f"reset failed: {type(exc).__name__}: {exc}") from None
+    state.messages = initial_messages(prompt, obs)
     try:
-        stream.add_context(renderer.initial(messages))
+        state.add_context(ctx.renderer.initial(state.messages))
     except RenderError as exc:
-        return finish("render_error", str(exc))
-    prompt_len = len(stream.ids)
-    stop_ids = tuple(renderer.stop_token_ids)
+        raise EpisodeEnd("render_error", str(exc)) from None
+    state.prompt_len = len(state.token_ids)
 
-    for index in range(turn_limit):
-        room = sampling.max_context_tokens - len(stream.ids)
-        if room <= 0:
-            return finish("context_limit")
-        sp = sampling if room >= sampling.max_new_tokens else dataclasses.replace(sampling, max_new_tokens=room)
-        prev = list(stream.ids)
-        t0 = time.monotonic()
+
+async def _play_turn(ctx: EpisodeContext, state: EpisodeState, index: int) -> None:
+    """One turn: generate, parse, step the env (``env_error``), record the turn (``done``,
+    ``truncated``), then extend the prompt with the observation (not after the last turn)."""
+    turn = await _generate(ctx, state, index)
+    parsed = ctx.parser(turn.text)
+    turn.action = parsed.action
+    info: dict = {}
+    if parsed.ok:
+        t1 = time.monotonic()
         try:
-            res = await engine.generate(GenerateRequest(prev, sp, stop_ids, seed=turn_seed(seed, index)))
-        except EngineError as exc:
-            return finish("aborted", f"engine: {exc}")
-        gen_s = time.monotonic() - t0
-        if res.finish_reason == "aborted":
-            return finish("aborted", "engine aborted the request")
-        start = len(stream.ids)
-        stream.add_sampled(res.token_ids, res.logprobs, res.versions())
-        out_ids = res.token_ids.tolist()
-        stopped = res.finish_reason == "stop" and bool(out_ids) and out_ids[-1] == renderer.end_of_turn_id
-        text = renderer.assistant_content(out_ids, stopped)
-        parsed = parser(text)
-        reward, done, env_s = 0.0, False, 0.0
-        if parsed.ok:
-            t1 = time.monotonic()
-            try:
-                obs, reward, done, info = await env.step(parsed.action)
-            except Exception as exc:
-                turns.append(_turn(index, start, stream, text, parsed.action, False, "", 0.0, False, res.policy_version, gen_s, time.monotonic() - t1))
-                return finish("env_error", f"step failed: {type(exc).__name__}: {exc}")
-            env_s = time.monotonic() - t1
-            total += float(reward)
-            success = success or bool(info.get("success", False))
-        else:
-            obs = parsed.hint
-        turns.append(_turn(index, start, stream, text, parsed.action, not parsed.ok, obs, float(reward), bool(done), res.policy_version, gen_s, env_s))
-        if done:
-            return finish("truncated" if info.get("truncated") else "done")
-        if index == turn_limit - 1:
-            break
-        try:
-            delta = renderer.extend(prev, out_ids, stopped, obs, messages=messages)
-        except RenderError as exc:
-            return finish("render_error", str(exc))
-        if len(stream.ids) + len(delta) >= sampling.max_context_tokens:
-            return finish("context_limit")
-        stream.add_context(delta)
-        messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": obs}]
-    return finish("turn_limit")
+            obs, reward, done, info = await ctx.env.step(parsed.action)
+        except Exception as exc:
+            turn.env_s = time.monotonic() - t1
+            state.turns.append(_turn(state, turn))
+            raise EpisodeEnd("env_error", f"step failed: {type(exc).__name__}: {exc}") from None
+        turn.env_s = time.monotonic() - t1
+        turn.observation, turn.reward, turn.done = obs, float(reward), bool(done)
+        state.reward += float(reward)
+        state.success = state.success or bool(info.get("success", False))
+    else:
+        turn.parse_error, turn.observation = True, parsed.hint
+    state.turns.append(_turn(state, turn))
+    if turn.done:
+        raise EpisodeEnd("truncated" if info.get("truncated") else "done")
+    if index == ctx.turn_limit - 1:
+        return
+    _observe(ctx, state, turn)
 
 
-def _turn(index, start, stream, text, action, parse_error, obs, reward, done, version, gen_s, env_s) -> Turn:
+async def _generate(ctx: EpisodeContext, state: EpisodeState, index: int) -> TurnState:
+    """Sample the turn's output into the stream (``context_limit``, ``aborted``)."""
+    sampling = ctx.sampling
+    room = sampling.max_context_tokens - len(state.token_ids)
+    if room <= 0:
+        raise EpisodeEnd("context_limit")
+    sp = sampling if room >= sampling.max_new_tokens else dataclasses.replace(sampling, max_new_tokens=room)
+    prev = list(state.token_ids)
+    t0 = time.monotonic()
+    try:
+        res = await ctx.engine.generate(GenerateRequest(prev, sp, ctx.stop_ids, seed=turn_seed(ctx.seed, index)))
+    except EngineError as exc:
+        raise EpisodeEnd("aborted", f"engine: {exc}") from None
+    gen_s = time.monotonic() - t0
+    if res.finish_reason == "aborted":
+        raise EpisodeEnd("aborted", "engine aborted the request")
+    start = len(state.token_ids)
+    state.add_sampled(res.token_ids, res.logprobs, res.versions())
+    out_ids = res.token_ids.tolist()
+    stopped = res.finish_reason == "stop" and bool(out_ids) and out_ids[-1] == ctx.renderer.end_of_turn_id
+    text = ctx.renderer.assistant_content(out_ids, stopped)
+    return TurnState(index=index, prompt=prev, token_start=start, out_ids=out_ids, stopped=stopped, text=text,
+                     policy_version=res.policy_version, gen_s=gen_s)
+
+
+def _observe(ctx: EpisodeContext, state: EpisodeState, turn: TurnState) -> None:
+    """Append the observation's delta to the stream (``render_error``, ``context_limit``)."""
+    try:
+        delta = ctx.renderer.extend(turn.prompt, turn.out_ids, turn.stopped, turn.observation, messages=state.messages)
+    except RenderError as exc:
+        raise EpisodeEnd("render_error", str(exc)) from None
+    if len(state.token_ids) + len(delta) >= ctx.sampling.max_context_tokens:
+        raise EpisodeEnd("context_limit")
+    state.add_context(delta)
+    state.messages = state.messages + [{"role": "assistant", "content": turn.text}, {"role": "user", "content": turn.observation}]
+
+
+def _turn(state: EpisodeState, turn: TurnState) -> Turn:
+    """The ``Turn`` record of ``turn``; its span ends at the stream's current end."""
     return Turn(
-        index=index,
-        token_start=start,
-        token_end=len(stream.ids),
-        output_text=text,
-        action=action,
-        parse_error=parse_error,
-        observation=obs,
-        reward=reward,
-        done=done,
-        policy_version=int(version),
-        gen_latency_s=float(gen_s),
-        env_latency_s=float(env_s),
+        index=turn.index,
+        token_start=turn.token_start,
+        token_end=len(state.token_ids),
+        output_text=turn.text,
+        action=turn.action,
+        parse_error=turn.parse_error,
+        observation=turn.observation,
+        reward=turn.reward,
+        done=turn.done,
+        policy_version=int(turn.policy_version),
+        gen_latency_s=float(turn.gen_s),
+        env_latency_s=float(turn.env_s),
     )
 
 

@@ -1,77 +1,142 @@
 """``turnscale actor [hydra overrides]`` / ``python -m actors``: one actor process.
 
-``run(cfg)`` wires the real parts into ``actors.actor.Actor``: after the first Welcome the
-engine (``make_engine``) is built from the learner's model folder, the renderer from its
-tokenizer, and the group player from ``actors.episode.run_group`` with the env's action
-parser and instruction prompt; weights come through ``actors.weight_sync.pull_weights``;
-env sessions through ``envhub.client.EnvClient`` speaking the flavor the learner announces
-(``EnvEndpoint.flavor`` from its ``env.options.flavor``), so actors can play on AgentGym's own
-servers.
+``build_actor(cfg)`` wires the real parts into ``actors.actor.Actor`` (the loop takes them
+as ``ActorDeps``), phase by phase:
+
+1. config: the actor's id (``actor.actor_id`` or a fresh one), engine name and device;
+2. engine factory: ``RuntimeBuilder``, run by the actor after the first Welcome (and again
+   when the engine breaks), builds the engine (``make_engine``) from the learner's model
+   folder, the renderer from its tokenizer, and a ``GroupPlayer`` on both, which plays a
+   lease's group (``actors.episode.run_group``) with the env's action parser and
+   instruction prompt and the sampling of the learner's latest Welcome;
+3. env client factory: ``env_client`` speaks the flavor the learner announces
+   (``EnvEndpoint.flavor`` from its ``env.options.flavor``), so actors can play on
+   AgentGym's own servers;
+4. weight pull: ``pull_into`` / ``new_receive_buffer`` (``actors.weight_sync``);
+5. the actor loop itself (``Actor``).
+
+Heavy modules (transformers, torch, the engines) are imported only when the part that
+needs them runs.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from conf.schema import Config
+from conf.schema import Config, EngineConfig
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from actors.actor import Actor, Runtime
+    from actors.engine import Engine
+    from actors.envpool import EnvClientLike, PooledSession
+    from actors.renderer import Renderer
+    from actors.weight_sync import ReceiveBuffer
+    from protocol.messages import Lease, SamplingParams, TrajectoryGroup, WeightManifest, Welcome
+    from protocol.transport import AsyncSocket
 
 log = logging.getLogger("turnscale.actor")
 
 
-def build_actor(cfg: Config) -> Any:
-    import trio
+@dataclass
+class GroupPlayer:
+    """Plays one lease's group on the engine: ``lease.group_size`` episodes, one env session each."""
 
-    from actors.actor import Actor, ActorDeps, Runtime
+    engine: Engine
+    renderer: Renderer
+    actor_id: str
+    """Stamped on every group (``TrajectoryGroup.actor_id``)."""
+    sampling: Callable[[], SamplingParams]
+    """The sampling of the learner's latest Welcome; read per group (a reconnect may bring
+    a restarted learner's Welcome, while the engine and this player stay)."""
 
-    holder: dict[str, Any] = {}
-
-    async def make_runtime(welcome: Any) -> Runtime:
-        from transformers import AutoTokenizer
-
-        from actors.engine import make_engine
+    async def play(self, lease: Lease, sessions: list[PooledSession]) -> TrajectoryGroup:
+        """The actor's ``Runtime.play_group``: the parser and prompt are the lease's env's."""
         from actors.episode import run_group
         from actors.parsing import parser_for
         from actors.prompts import instruction
+
+        return await run_group(
+            engine=self.engine, renderer=self.renderer, sessions=sessions.__getitem__, lease=lease, actor_id=self.actor_id,
+            sampling=self.sampling(), parser=parser_for(lease.task.env), prompt=instruction(lease.task.env),
+        )
+
+
+@dataclass
+class RuntimeBuilder:
+    """The actor's ``make_runtime``: a Welcome -> the engine and a ``GroupPlayer`` on it."""
+
+    engine_cfg: EngineConfig
+    actor_id: str
+    sampling: Callable[[], SamplingParams]
+    """Handed to every ``GroupPlayer`` it builds."""
+
+    async def __call__(self, welcome: Welcome) -> Runtime:
+        import trio
+
+        from actors.actor import Runtime
         from actors.renderer import Renderer
 
-        def load() -> tuple[Any, Any]:
-            tok = AutoTokenizer.from_pretrained(welcome.model_path)
-            return make_engine(cfg.engine, welcome.model_path, tok), tok
-
-        engine, tokenizer = await trio.to_thread.run_sync(load)
+        engine, tokenizer = await trio.to_thread.run_sync(self._load, welcome.model_path)
         renderer = Renderer.for_tokenizer(tokenizer, welcome.renderer)
-        actor = holder["actor"]
+        player = GroupPlayer(engine=engine, renderer=renderer, actor_id=self.actor_id, sampling=self.sampling)
+        return Runtime(engine=engine, play_group=player.play)
 
-        async def play_group(lease: Any, sessions: list[Any]) -> Any:
-            return await run_group(
-                engine=engine, renderer=renderer, sessions=lambda i: sessions[i], lease=lease, actor_id=actor.actor_id,
-                sampling=actor.welcome.sampling, parser=parser_for(lease.task.env), prompt=instruction(lease.task.env),
-            )
+    def _load(self, model_path: str) -> tuple[Engine, PreTrainedTokenizerBase]:
+        """The engine and the tokenizer of ``model_path`` (in a worker thread: this loads weights)."""
+        from transformers import AutoTokenizer
 
-        return Runtime(engine=engine, play_group=play_group)
+        from actors.engine import make_engine
 
-    async def pull(sock: Any, manifest: Any, timeout_s: float, buffer: Any) -> Any:
-        from actors.weight_sync import pull_weights
+        tok = AutoTokenizer.from_pretrained(model_path)
+        return make_engine(self.engine_cfg, model_path, tok), tok
 
-        return await pull_weights(sock, manifest, timeout_s=timeout_s, buffer=buffer)
 
-    def new_buffer() -> Any:
-        from actors.weight_sync import ReceiveBuffer
+def env_client(url: str, flavor: str) -> EnvClientLike:
+    """``ActorDeps.make_env_client``: an envhub client speaking ``flavor``."""
+    from envhub.client import EnvClient
 
-        return ReceiveBuffer()
+    return EnvClient(url, flavor=flavor)
 
-    def make_env_client(url: str, flavor: str) -> Any:
-        from envhub.client import EnvClient
 
-        return EnvClient(url, flavor=flavor)
+async def pull_into(sock: AsyncSocket, manifest: WeightManifest, timeout_s: float,
+                    buffer: ReceiveBuffer | None) -> dict[str, torch.Tensor]:
+    """``ActorDeps.pull``: every chunk of ``manifest`` over ``sock`` into ``buffer``."""
+    from actors.weight_sync import pull_weights
 
-    actor_kw = {"actor_id": cfg.actor.actor_id} if cfg.actor.actor_id else {}
-    actor = Actor(cfg=cfg.actor, deps=ActorDeps(make_runtime=make_runtime, pull=pull, make_env_client=make_env_client,
-                                                      new_buffer=new_buffer),
-                  engine_name=cfg.engine.name, device=cfg.engine.device, **actor_kw)
-    holder["actor"] = actor
+    return await pull_weights(sock, manifest, timeout_s=timeout_s, buffer=buffer)
+
+
+def new_receive_buffer() -> ReceiveBuffer:
+    """``ActorDeps.new_buffer``: one reusable receive buffer for ``pull_into``."""
+    from actors.weight_sync import ReceiveBuffer
+
+    return ReceiveBuffer()
+
+
+def build_actor(cfg: Config) -> Actor:
+    """The actor process's ``Actor`` with the real parts (see the module docstring)."""
+    from actors.actor import Actor, ActorDeps, default_actor_id
+
+    # 1. config: the id is fixed here because the group player stamps it on every group
+    actor_id = cfg.actor.actor_id or default_actor_id()
+
+    def latest_sampling() -> SamplingParams:
+        """The sampling of the Welcome the actor adopted last (groups are played only after one)."""
+        assert actor.welcome is not None, "a group was played before the first Welcome"
+        return actor.welcome.sampling
+
+    # 2. engine factory: engine, renderer and group player, built after the first Welcome
+    make_runtime = RuntimeBuilder(engine_cfg=cfg.engine, actor_id=actor_id, sampling=latest_sampling)
+    # 3. env client factory, 4. weight pull
+    deps = ActorDeps(make_runtime=make_runtime, make_env_client=env_client, pull=pull_into, new_buffer=new_receive_buffer)
+    # 5. runtime: the actor loop (``Actor.run``) drives all of it
+    actor = Actor(cfg=cfg.actor, deps=deps, engine_name=cfg.engine.name, device=cfg.engine.device, actor_id=actor_id)
     return actor
 
 

@@ -190,3 +190,14 @@ def test_an_env_time_limit_ends_the_episode_as_truncated_not_done(tok):
 
     ep, _, _ = play(tok, ["Action: left"], env=PooledSession(TimeLimitClient(), 1))
     assert ep.finish_reason == "truncated" and ep.trainable and len(ep.turns) == 1
+
+
+def test_an_env_step_failure_records_the_turn_before_ending(tok):
+    """The turn whose env step raised is kept (action, no observation, reward 0) and the
+    stream ends with its sampled ids: nothing is appended after a failed step."""
+    ep, _, env = play(tok, ["Action: left", "Action: crash"])
+    assert ep.finish_reason == "env_error" and [t.action for t in ep.turns] == ["left", "crash"]
+    last = ep.turns[-1]
+    assert last.observation == "" and last.reward == 0.0 and not last.done and not last.parse_error
+    assert last.token_end == len(ep.token_ids) and ep.loss_mask[-1] == 1
+    assert env.actions == ["left", "crash"]
