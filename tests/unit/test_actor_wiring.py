@@ -33,7 +33,7 @@ def welcome(model_path: str, sampling: SamplingParams) -> Welcome:
     return Welcome(run_id="r", actor_id="a-7", model_path=model_path, renderer="auto", sampling=sampling,
                    envs=[EnvEndpoint(name="babyai", url="http://127.0.0.1:1")], transfer_dtype="float32",
                    pub_endpoint="tcp://127.0.0.1:1", weights_endpoint="tcp://127.0.0.1:2", heartbeat_interval_s=5.0,
-                   policy=PolicyAnnouncement(version=0, turn_limit=3, step=0, manifest=None))
+                   policy=PolicyAnnouncement(version=0, step=0, manifest=None))
 
 
 def test_group_player_plays_group_size_episodes_on_their_sessions(tok):
