@@ -1,7 +1,7 @@
 """The inference-engine interface the actor depends on, and the trio <-> thread bridge.
 
 An engine turns token ids into token ids plus per-token behaviour log-probs
-(``turnscale.logprobs`` convention: ``log_softmax(logits / temperature)`` over the full
+(``common.logprobs`` convention: ``log_softmax(logits / temperature)`` over the full
 vocabulary, before top-p/top-k truncation, float32).  Engines run their decoding loop in
 their own thread with continuous batching; trio tasks ``await engine.generate(req)``
 through ``ThreadBridge`` and never block the event loop.  Cancelling the awaiting task

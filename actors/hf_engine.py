@@ -17,7 +17,7 @@ Cleared on every weight swap.  Log-probs stay exact (tested against teacher forc
 Sampling (``sample_tokens``, a pure function): per-row temperature, top-k, top-p, by
 inverse-CDF with a per-request seeded uniform stream (``numpy`` generator), so a seed
 gives the same draws whatever else is in the batch.  The recorded log-prob is the
-``turnscale.logprobs`` convention (full vocabulary, before truncation, float32).
+``common.logprobs`` convention (full vocabulary, before truncation, float32).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from actors.engine import (
     Pending,
     ThreadedEngine,
 )
-from turnscale.logprobs import scaled_log_softmax
+from common.logprobs import scaled_log_softmax
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

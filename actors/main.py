@@ -4,7 +4,7 @@
 engine (``make_engine``) is built from the learner's model folder, the renderer from its
 tokenizer, and the group player from ``actors.episode.run_group`` with the env's action
 parser and instruction prompt; weights come through ``actors.weight_sync.pull_weights``;
-env sessions through ``envhub.client.EnvClient`` speaking the flavor the learner announces
+env sessions through ``common.envclient.EnvClient`` speaking the flavor the learner announces
 (``EnvEndpoint.flavor`` from its ``env.options.flavor``), so actors can play on AgentGym's own
 servers.
 """
@@ -32,9 +32,9 @@ def build_actor(cfg: Config) -> Any:
 
         from actors.engine import make_engine
         from actors.episode import run_group
-        from actors.parsing import parser_for
-        from actors.prompts import instruction
-        from actors.renderer import Renderer
+        from common.parsing import parser_for
+        from common.prompts import instruction
+        from common.renderer import Renderer
 
         def load() -> tuple[Any, Any]:
             tok = AutoTokenizer.from_pretrained(welcome.model_path)
@@ -63,7 +63,7 @@ def build_actor(cfg: Config) -> Any:
         return ReceiveBuffer()
 
     def make_env_client(url: str, flavor: str) -> Any:
-        from envhub.client import EnvClient
+        from common.envclient import EnvClient
 
         return EnvClient(url, flavor=flavor)
 
@@ -85,7 +85,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except conf.ConfigError as exc:
         print(f"turnscale actor: {exc}", file=sys.stderr)
         return 2
-    from turnscale.procs import setup_process
+    from common.procs import setup_process
 
     setup_process()
     actor = build_actor(cfg)

@@ -7,7 +7,7 @@
   keep-alive limits (README "Security and limits").
 - ``main``: ``turnscale envhub env=<name> host=... port=...`` / ``python -m envhub``.
 - ``launch``: start a server child process and wait for ``/health`` (tests, benchmarks, run).
-- ``client`` (+ ``http11``): ``EnvClient``, the async (trio) client the actors use.
+- The async client of this HTTP API is ``common.envclient`` (the shared layer: actors use it).
 - ``registry``: env name -> family factory; one module per family (``babyai``, ...).
 - ``babyai_oracle``: the BabyAI expert (high-level actions) for tests and warm starts.
 """

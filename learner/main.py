@@ -30,7 +30,7 @@ def env_corpus(cfg: Config, episodes: int = 24) -> list[str]:
     (played in-process), the actors' instruction prompt, and a few fixed lines."""
     texts: list[str] = list(FALLBACK_CORPUS)
     try:
-        from actors.prompts import instruction
+        from common.prompts import instruction
 
         texts.append(instruction(cfg.env.name))
     except (ImportError, ValueError):
@@ -61,7 +61,7 @@ def resolve_model_path(cfg: Config) -> str:
     """``learner.init_from`` when set, else ``model.path`` (``tiny``: built once and cached)."""
     if cfg.learner.init_from:
         return cfg.learner.init_from
-    from turnscale.tinymodel import ensure_model
+    from common.tinymodel import ensure_model
 
     return ensure_model(cfg.model, lambda: env_corpus(cfg))
 
@@ -163,7 +163,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except conf.ConfigError as exc:
         print(f"turnscale learner: {exc}", file=sys.stderr)
         return 2
-    from turnscale.procs import setup_process
+    from common.procs import setup_process
 
     setup_process()
     return trio.run(run, cfg)

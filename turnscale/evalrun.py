@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 import numpy as np
 
-from turnscale.procs import stop_process
+from common.procs import stop_process
 
 
 class EvalNotBuilt(RuntimeError):
@@ -226,14 +226,14 @@ def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0, flavo
 
 def _require_client() -> None:
     try:
-        from envhub.client import EnvClient  # noqa: F401
+        from common.envclient import EnvClient  # noqa: F401
     except ImportError:
-        raise EvalNotBuilt("turnscale eval: running models needs envhub/client.py, which is not built yet; "
+        raise EvalNotBuilt("turnscale eval: running models needs common/envclient.py, which is not built yet; "
                            "report on recorded episodes with --from-jsonl FILE") from None
 
 
 def make_pool(env_name: str, url: str, cfg: Any) -> SessionPool:
-    """Env sessions on ``url`` through the envhub client (``envhub/client.py``)."""
+    """Env sessions on ``url`` through the envhub client (``common/envclient.py``)."""
     _require_client()
     from turnscale.evalclient import ClientPool
 
@@ -283,9 +283,9 @@ def _run_model(cfg, path, label, plans, split, concurrency, progress, write, poo
     import trio
 
     from actors.engine import EngineError, make_engine
-    from actors.parsing import parser_for
-    from actors.prompts import instruction
-    from actors.renderer import Renderer
+    from common.parsing import parser_for
+    from common.prompts import instruction
+    from common.renderer import Renderer
     from protocol.messages import SamplingParams
 
     if os.environ.get("OMP_NUM_THREADS"):

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from actors.prompts import initial_messages, instruction
+from common.prompts import initial_messages, instruction
 
 
 def oracle_conversations(env: str, task_ids: Sequence[int], *, max_turns: int) -> Iterable[dict]:

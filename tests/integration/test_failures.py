@@ -1,5 +1,5 @@
 """Failures the running system survives: real envhub, learner and actor processes on 127.0.0.1
-with the tiny model, started and ended by pid through ``turnscale.procs.ProcessGroup``.
+with the tiny model, started and ended by pid through ``common.procs.ProcessGroup``.
 
 - elastic: a third actor joins mid-run (current weights and turn limit before its first
   lease); an actor SIGKILLed mid-group has its leases re-issued after ``lease_ttl_s``;
@@ -30,7 +30,7 @@ import pytest
 
 from protocol.messages import TRAINABLE_FINISH_REASONS
 from protocol.transport import free_port
-from turnscale.procs import Child, ProcessGroup, wait_http_ok
+from common.procs import Child, ProcessGroup, wait_http_ok
 
 GROUP_SIZE = 2
 GROUPS_PER_STEP = 2

@@ -24,7 +24,7 @@ from protocol.messages import GroupAck, Hello, LeaseGrant, LeaseRequest, Traject
 from protocol.transport import AsyncSocket, Requester, configure, free_port
 from tests.integration.test_failures import rss_mb
 from tests.unit.fakes import make_episode
-from turnscale.procs import ProcessGroup
+from common.procs import ProcessGroup
 
 VOCAB = 1024
 CONTEXT = 256

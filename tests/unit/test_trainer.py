@@ -234,7 +234,7 @@ def test_fused_logprobs_and_entropy_match_the_reference_functions():
 
 
 def test_learner_logprobs_equal_the_actor_convention():
-    from turnscale.logprobs import token_logprobs
+    from common.logprobs import token_logprobs
 
     torch.manual_seed(2)
     logits = torch.randn(3, 6, 13)
