@@ -139,9 +139,10 @@ def prepare_model() -> str:
     """Build (once, cached) the benchmark's tiny model as the learner would, and return its
     folder, so every learner of the suite loads it instead of rebuilding the corpus."""
     import conf
+    from envhub.corpus import play_texts
     from learner.main import resolve_model_path
 
-    return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]))
+    return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]), play=play_texts)
 
 
 class Cluster:
