@@ -211,7 +211,7 @@ def _sciworld(seconds: float) -> list[Result]:
     import trio
 
     from common.envclient import EnvClient
-    from envhub.launch import envhub_server
+    from benchmarks.envhub_launch import envhub_server
     from envhub.registry import make_family
 
     import conf
@@ -252,7 +252,7 @@ def _sciworld(seconds: float) -> list[Result]:
 
 
 def run(args: argparse.Namespace) -> list[Result]:
-    from envhub.launch import envhub_server
+    from benchmarks.envhub_launch import envhub_server
 
     seconds = getattr(args, "envhub_seconds", 4.0)
     episodes = getattr(args, "envhub_episodes", 64)

@@ -12,7 +12,7 @@ from conf.schema import Config
 from learner import checkpoint as ckpt
 from learner.logprobs import token_logprobs_BT
 from learner.schedule import TurnSchedule
-from learner.synthetic import build_tiny_model, synthetic_groups
+from benchmarks.synthetic import build_tiny_model, synthetic_groups
 from learner.trainer import Trainer, lr_factor
 
 
