@@ -550,27 +550,3 @@ class ThreadedEngine:
         when the previous weights are still intact, ``EngineBroken`` when they are not.  Keep
         no reference to ``tensors`` or their memory after returning or raising."""
         raise NotImplementedError
-
-
-def make_engine(cfg: "EngineConfig", model_path: str, tokenizer: Any = None, *, version: int = 0) -> Engine:
-    """Build the engine ``cfg.name`` names (``hf``, ``vllm``, ``sim``) for ``model_path``.
-
-    ``tokenizer`` is needed only by ``sim`` (loaded from ``model_path`` when None).
-    """
-    if cfg.name == "hf":
-        from actors.hf_engine import HFEngine
-
-        return HFEngine(cfg, model_path, version=version)
-    if cfg.name == "vllm":
-        from actors.vllm_engine import VLLMEngine
-
-        return VLLMEngine(cfg, model_path, version=version)
-    if cfg.name == "sim":
-        from actors.sim_engine import SimEngine
-
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-        return SimEngine(cfg, tokenizer, version=version)
-    raise EngineError(f"unknown engine {cfg.name!r}; choose hf, vllm or sim")

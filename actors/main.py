@@ -30,7 +30,7 @@ def build_actor(cfg: Config) -> Any:
     async def make_runtime(welcome: Any) -> Runtime:
         from transformers import AutoTokenizer
 
-        from actors.engine import make_engine
+        from actors.engines import make_engine
         from actors.episode import run_group
         from common.parsing import parser_for
         from common.prompts import instruction

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     import trio
     from transformers import AutoTokenizer
 
-    from actors.engine import make_engine
+    from actors.engines import make_engine
     from actors.episode import run_group
     from common.parsing import parse_action_line
     from common.prompts import instruction

@@ -1,7 +1,7 @@
 """The running part of ``turnscale eval``: models x turn limits x tasks x samples -> episode records.
 
 Episodes are played by the actor's own code (``actors.episode.run_episode`` with the engine from
-``actors.engine.make_engine``, the renderer, the env's parser and prompt) against an envhub server
+``actors.engines.make_engine``, the renderer, the env's parser and prompt) against an envhub server
 through the env client, ``concurrency`` episodes at a time in one trio event loop.  Env sessions
 are opened lazily (at most ``concurrency``) and reused across episodes, as actors do.
 
@@ -254,7 +254,7 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
     try:
         import trio  # noqa: F401
 
-        from actors.engine import make_engine  # noqa: F401
+        from actors.engines import make_engine  # noqa: F401
         from actors.episode import run_episode  # noqa: F401
     except ImportError as exc:
         raise EvalNotBuilt(f"turnscale eval: running models needs the actor code ({exc.name} is missing)") from None
@@ -282,7 +282,8 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
 def _run_model(cfg, path, label, plans, split, concurrency, progress, write, pool_factory) -> list[dict]:
     import trio
 
-    from actors.engine import EngineError, make_engine
+    from actors.engine import EngineError
+    from actors.engines import make_engine
     from common.parsing import parser_for
     from common.prompts import instruction
     from common.renderer import Renderer

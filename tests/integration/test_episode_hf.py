@@ -13,7 +13,7 @@ import torch
 import trio
 from transformers import AutoTokenizer
 
-from actors.engine import make_engine
+from actors.engines import make_engine
 from actors.episode import run_group
 from common.parsing import ParseResult
 from common.renderer import Renderer

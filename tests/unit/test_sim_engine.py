@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import trio
 
-from actors.engine import GenerateRequest, make_engine
+from actors.engine import GenerateRequest
+from actors.engines import make_engine
 from actors.episode import run_episode
 from common.parsing import parse_action_line
 from common.renderer import Renderer
