@@ -10,5 +10,6 @@
 - ``registry``: env name -> family factory; one module per family (``babyai``, ...).
 - ``simwork``: the simulated long-tail workload a server applies when ``env.options.sim_latency``
   is set (benchmarks); ``corpus``: an env's text played in-process (the tiny tokenizer).
-- ``babyai_oracle``: the BabyAI expert (high-level actions) for tests and warm starts.
+- ``babyai_oracle``: the BabyAI expert (high-level actions) for tests and warm starts; the env
+  imports it (``BabyAIEnv.expert_action``, ``babyai.play_oracle``), it imports ``babyai_prims``.
 """

@@ -20,7 +20,7 @@ def oracle_conversations(env: str, task_ids: Sequence[int], *, max_turns: int) -
     """One conversation per task the oracle solves within ``max_turns`` (failures are skipped)."""
     if env != "babyai":
         raise ValueError(f"env {env!r} has no built-in oracle; give recorded conversations to algo=sft instead")
-    from envhub.babyai_oracle import play_oracle
+    from envhub.babyai import play_oracle
 
     prompt = instruction(env)
     for idx in task_ids:
