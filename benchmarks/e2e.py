@@ -155,7 +155,7 @@ class Cluster:
         self.spec, self.workload, self.run_dir, self.model_path = spec, workload, run_dir, model_path
         self.learner_dir = run_dir / "learner"
         self.env_port, self.ports = free_port(), (free_port(), free_port(), free_port())
-        self.pg = ProcessGroup(run_dir / "logs")
+        self.pg = ProcessGroup(run_dir / "logs", "turnscale")
         self.actors: list[Any] = []
 
     def __enter__(self) -> "Cluster":

@@ -123,7 +123,7 @@ class Launcher:
         self.cfg = cfg
         self.dir = Path(cfg.run.dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.procs = ProcessGroup(self.dir / "logs")
+        self.procs = ProcessGroup(self.dir / "logs", "turnscale")
         self.t0 = time.monotonic()
 
     def say(self, msg: str) -> None:

@@ -54,7 +54,7 @@ class Cluster:
 
     def __init__(self, tmp_path: Path, model_dir: str, *extra: str) -> None:
         self.dir = tmp_path / "learner"
-        self.procs = ProcessGroup(tmp_path / "logs")
+        self.procs = ProcessGroup(tmp_path / "logs", "turnscale")
         self.env_port = free_port()
         ports = [free_port() for _ in range(3)]
         self.common = [
