@@ -7,7 +7,8 @@ repository (``"envhub.babyai:make_family"``, ``importlib.import_module("benchmar
 time; so does ``[python, "-m", "turnscale", ...]``, a launch (a fresh interpreter: checked against
 the layer rule, but no edge of the import graph).  Then:
 
-* each edge between packages must be allowed by ``ALLOWED`` (the layer rule);
+* each edge between packages must be allowed by ``ALLOWED`` (the layer rule; no package imports
+  ``tests``: test scaffolding lives there, the packages' own scaffolding in ``benchmarks``);
 * the package graph has no cycle;
 * inside a package, the module-level (top-of-file, not lazy) imports have no cycle, and the two
   lazy cycles the issue named stay broken (``actors.engine`` imports no engine module;
@@ -30,7 +31,7 @@ ROLES = ("envhub", "actors", "learner")
 TOP = ("turnscale", "benchmarks")
 PACKAGES = (*BOTTOM, *SHARED, *ROLES, *TOP)
 
-LAYER = {**{p: "bottom" for p in BOTTOM}, **{p: "shared" for p in SHARED}, **{p: "role" for p in ROLES}, **{p: "top" for p in TOP}}
+LAYER = {**{p: "bottom" for p in BOTTOM}, **{p: "shared" for p in SHARED}, **{p: "role" for p in ROLES}, **{p: "top" for p in TOP}, "tests": "tests"}
 
 ALLOWED: dict[str, frozenset[str]] = {
     # the bottom: the wire protocol and the config schema stand alone (neither imports the other)
@@ -146,7 +147,7 @@ def refs_of(mod: str, path: Path) -> list[Ref]:
                 docs.add(id(n.body[0].value))
     for line, target, how in _string_refs(tree):
         out.append(Ref(rel, line, mod, target, True, how))
-    return [r for r in out if r.target.split(".")[0] in LAYER and not _is_doc(r, tree, docs)]
+    return [r for r in out if r.target.split(".")[0] in LAYER and not _is_doc(r, tree, docs)]  # LAYER: ours and tests
 
 
 def _is_doc(ref: Ref, tree: ast.AST, docs: set[int]) -> bool:
@@ -265,8 +266,13 @@ def test_the_check_sees_lazy_relative_and_string_references():
     node = tree.body[0].body[0]
     assert _resolve("envhub.sub.probe", False, node)[0] == "envhub.learner"
     assert (4, "turnscale", "launch") in _string_refs(tree)
-    bad = forbidden([Ref("envhub/x.py", 3, "envhub.x", "actors.episode", True, "import"), Ref("common/x.py", 4, "common.x", "turnscale", True, "launch")])
+    bad = forbidden([
+        Ref("envhub/x.py", 3, "envhub.x", "actors.episode", True, "import"),
+        Ref("common/x.py", 4, "common.x", "turnscale", True, "launch"),
+        Ref("benchmarks/x.py", 5, "benchmarks.x", "tests.unit.fakes", False, "import"),
+    ])
     assert bad == [
+        "benchmarks/x.py:5 imports tests.unit.fakes (layer top 'benchmarks' may not import layer tests 'tests')",
         "common/x.py:4 launches (-m) turnscale (layer shared 'common' may not import layer top 'turnscale')",
         "envhub/x.py:3 imports actors.episode (layer role 'envhub' may not import layer role 'actors')",
     ]
