@@ -2,9 +2,8 @@
 
 Every ``.py`` of the packages below is parsed with ``ast``; every import counts, lazy ones inside
 functions included, relative ones resolved.  A string constant that names a module of this
-repository (``"envhub.babyai:make_family"``, ``importlib.import_module("benchmarks.main")``,
-``[python, "-m", "turnscale"]``) counts as a reference too: the code reaches that module at run
-time; so does ``[python, "-m", "turnscale", ...]``, a launch (a fresh interpreter: checked against
+repository (``"envhub.babyai:make_family"``, ``importlib.import_module("benchmarks.main")``)
+counts as a reference too: the code reaches that module at run time; so does ``[python, "-m", "turnscale", ...]``, a launch (a fresh interpreter: checked against
 the layer rule, but no edge of the import graph).  Then:
 
 * each edge between packages must be allowed by ``ALLOWED`` (the layer rule; no package imports
@@ -63,7 +62,7 @@ class Ref:
     line: int
     source: str  # importing module
     target: str  # imported module (as written, resolved)
-    lazy: bool  # inside a function / class body / if-block, or a string reference
+    lazy: bool  # inside a function (runs later, if at all), or a string reference
     how: str  # "import", "string" (a module path in a string) or "launch" (after ``-m``)
 
 
@@ -122,13 +121,14 @@ def refs_of(mod: str, path: Path) -> list[Ref]:
     tree = ast.parse(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
     rel = str(path.relative_to(ROOT))
-    top_level = {id(n) for n in tree.body}
-    # ``try: import x`` / ``if TYPE_CHECKING`` at module level still run (or matter) at import
-    for n in tree.body:
-        if isinstance(n, (ast.Try, ast.If)):
-            for sub in ast.walk(n):
-                if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                    top_level.add(id(sub))
+    # lazy: inside a function; module level, class bodies, ``try``/``if`` blocks run at import
+    in_function = {
+        id(sub)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for sub in ast.walk(n)
+        if isinstance(sub, (ast.Import, ast.ImportFrom))
+    }
     out = []
     for n in ast.walk(tree):
         if isinstance(n, ast.Import):
@@ -138,7 +138,7 @@ def refs_of(mod: str, path: Path) -> list[Ref]:
         else:
             continue
         for t in targets:
-            out.append(Ref(rel, n.lineno, mod, t, id(n) not in top_level, "import"))
+            out.append(Ref(rel, n.lineno, mod, t, id(n) in in_function, "import"))
     # docstrings are prose, not references
     docs = set()
     for n in ast.walk(tree):
