@@ -1,7 +1,7 @@
 """The inference-engine interface the actor depends on, and the trio <-> thread bridge.
 
 An engine turns token ids into token ids plus per-token behaviour log-probs
-(``turnscale.logprobs`` convention: ``log_softmax(logits / temperature)`` over the full
+(``common.logprobs`` convention: ``log_softmax(logits / temperature)`` over the full
 vocabulary, before top-p/top-k truncation, float32).  Engines run their decoding loop in
 their own thread with continuous batching; trio tasks ``await engine.generate(req)``
 through ``ThreadBridge`` and never block the event loop.  Cancelling the awaiting task
@@ -567,27 +567,3 @@ class ThreadedEngine:
         when the previous weights are still intact, ``EngineBroken`` when they are not.  Keep
         no reference to ``tensors`` or their memory after returning or raising."""
         raise NotImplementedError
-
-
-def make_engine(cfg: "EngineConfig", model_path: str, tokenizer: Any = None, *, version: int = 0) -> Engine:
-    """Build the engine ``cfg.name`` names (``hf``, ``vllm``, ``sim``) for ``model_path``.
-
-    ``tokenizer`` is needed only by ``sim`` (loaded from ``model_path`` when None).
-    """
-    if cfg.name == "hf":
-        from actors.hf_engine import HFEngine
-
-        return HFEngine(cfg, model_path, version=version)
-    if cfg.name == "vllm":
-        from actors.vllm_engine import VLLMEngine
-
-        return VLLMEngine(cfg, model_path, version=version)
-    if cfg.name == "sim":
-        from actors.sim_engine import SimEngine
-
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-        return SimEngine(cfg, tokenizer, version=version)
-    raise EngineError(f"unknown engine {cfg.name!r}; choose hf, vllm or sim")

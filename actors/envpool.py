@@ -21,7 +21,7 @@ log = logging.getLogger("turnscale.actor")
 
 
 class EnvClientLike(Protocol):
-    """The subset of ``envhub.client.EnvClient`` the pool uses."""
+    """The subset of ``common.envclient.EnvClient`` the pool uses."""
 
     async def create(self) -> int: ...
 

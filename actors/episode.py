@@ -38,9 +38,9 @@ from typing import Awaitable, Callable, Protocol
 import numpy as np
 
 from actors.engine import Engine, EngineError, GenerateRequest
-from actors.parsing import ActionParser
-from actors.prompts import initial_messages
-from actors.renderer import Renderer, RenderError
+from common.parsing import ActionParser
+from common.prompts import initial_messages
+from common.renderer import Renderer, RenderError
 from protocol.messages import Episode, Lease, SamplingParams, Task, TrajectoryGroup, Turn
 
 

@@ -17,7 +17,7 @@ Cleared on every weight swap.  Log-probs stay exact (tested against teacher forc
 Sampling (``sample_tokens``, a pure function): per-row temperature, top-k, top-p, by
 inverse-CDF with a per-request seeded uniform stream (``numpy`` generator), so a seed
 gives the same draws whatever else is in the batch.  The recorded log-prob is the
-``turnscale.logprobs`` convention (full vocabulary, before truncation, float32).
+``common.logprobs`` convention (full vocabulary, before truncation, float32).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from actors.engine import (
     Pending,
     ThreadedEngine,
 )
+from common.logprobs import scaled_log_softmax
 from protocol.dtypes import float_torch_dtype
-from turnscale.logprobs import scaled_log_softmax
 
 
 def sample_tokens(

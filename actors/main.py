@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from actors.actor import Actor, Runtime
     from actors.engine import Engine
     from actors.envpool import EnvClientLike, PooledSession
-    from actors.renderer import Renderer
     from actors.weight_sync import ReceiveBuffer
+    from common.renderer import Renderer
     from protocol.messages import Lease, SamplingParams, TrajectoryGroup, WeightManifest, Welcome
     from protocol.transport import AsyncSocket
 
@@ -58,8 +58,8 @@ class GroupPlayer:
     async def play(self, lease: Lease, sessions: list[PooledSession]) -> TrajectoryGroup:
         """The actor's ``Runtime.play_group``: the parser and prompt are the lease's env's."""
         from actors.episode import run_group
-        from actors.parsing import parser_for
-        from actors.prompts import instruction
+        from common.parsing import parser_for
+        from common.prompts import instruction
 
         return await run_group(
             engine=self.engine, renderer=self.renderer, sessions=sessions.__getitem__, lease=lease, actor_id=self.actor_id,
@@ -80,7 +80,7 @@ class RuntimeBuilder:
         import trio
 
         from actors.actor import Runtime
-        from actors.renderer import Renderer
+        from common.renderer import Renderer
 
         engine, tokenizer = await trio.to_thread.run_sync(self._load, welcome.model_path)
         renderer = Renderer.for_tokenizer(tokenizer, welcome.renderer)
@@ -91,7 +91,7 @@ class RuntimeBuilder:
         """The engine and the tokenizer of ``model_path`` (in a worker thread: this loads weights)."""
         from transformers import AutoTokenizer
 
-        from actors.engine import make_engine
+        from actors.engines import make_engine
 
         tok = AutoTokenizer.from_pretrained(model_path)
         return make_engine(self.engine_cfg, model_path, tok), tok
@@ -99,7 +99,7 @@ class RuntimeBuilder:
 
 def env_client(url: str, flavor: str) -> EnvClientLike:
     """``ActorDeps.make_env_client``: an envhub client speaking ``flavor``."""
-    from envhub.client import EnvClient
+    from common.envclient import EnvClient
 
     return EnvClient(url, flavor=flavor)
 
@@ -150,7 +150,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except conf.ConfigError as exc:
         print(f"turnscale actor: {exc}", file=sys.stderr)
         return 2
-    from turnscale.procs import setup_process
+    from common.procs import setup_process
 
     setup_process()
     actor = build_actor(cfg)

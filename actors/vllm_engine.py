@@ -13,7 +13,7 @@ Log-prob convention.  vLLM's engine option ``logprobs_mode`` decides what
   truncation** (renormalised over the kept tokens).
 
 turnscale's convention is ``log_softmax(logits / temperature)`` before truncation
-(``turnscale.logprobs``).  We start vLLM with ``processed_logprobs`` and accept only
+(``common.logprobs``).  We start vLLM with ``processed_logprobs`` and accept only
 requests where that equals our convention: ``top_k == 0`` and ``top_p == 1`` (any
 temperature; no penalties are ever set).  Other requests raise ``EngineError`` — use
 the ``hf`` engine for truncated sampling.  ``ignore_eos=True`` plus explicit

@@ -93,8 +93,8 @@ def episode_chains(recorded) -> list[list]:
 
 
 def corpus():
-    from actors.parsing import ACTION_LINE_HINT, BACKTICKS_HINT, TAGS_HINT
-    from actors.prompts import INSTRUCTIONS
+    from common.parsing import ACTION_LINE_HINT, BACKTICKS_HINT, TAGS_HINT
+    from common.prompts import INSTRUCTIONS
     from actors.sim_engine import RESPONSES
 
     import random
@@ -111,14 +111,14 @@ def run(args: argparse.Namespace) -> list[Result]:
     import trio
     from transformers import AutoTokenizer
 
-    from actors.engine import make_engine
+    from actors.engines import make_engine
     from actors.episode import run_group
-    from actors.parsing import parse_action_line
-    from actors.prompts import instruction
-    from actors.renderer import Renderer
+    from common.parsing import parse_action_line
+    from common.prompts import instruction
+    from common.renderer import Renderer
     from conf.schema import EngineConfig, ModelConfig
     from protocol.messages import Lease, SamplingParams, Task
-    from turnscale.tinymodel import ensure_model
+    from common.tinymodel import ensure_model
 
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -2,7 +2,7 @@
 
 Real processes on 127.0.0.1 — one envhub server (BabyAI with the simulated long-tail
 workload of ``envhub.simwork``), one learner, N actors — started and ended by pid
-(``turnscale.procs``).  Every run gets fresh processes and a fresh envhub (so each run
+(``common.procs``).  Every run gets fresh processes and a fresh envhub (so each run
 faces the same per-task costs), the same tasks (``learner.seed``), the same model and
 the same number of actors; only ``learner.max_staleness`` differs:
 
@@ -139,9 +139,10 @@ def prepare_model() -> str:
     """Build (once, cached) the benchmark's tiny model as the learner would, and return its
     folder, so every learner of the suite loads it instead of rebuilding the corpus."""
     import conf
+    from envhub.corpus import play_texts
     from learner.main import resolve_model_path
 
-    return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]))
+    return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]), play=play_texts)
 
 
 class Cluster:
@@ -149,16 +150,16 @@ class Cluster:
     Every child is started here and ended by pid on exit (actors, learner, envhub)."""
 
     def __init__(self, spec: RunSpec, workload: Workload, run_dir: Path, model_path: str = "") -> None:
-        from turnscale.procs import ProcessGroup
+        from common.procs import ProcessGroup
 
         self.spec, self.workload, self.run_dir, self.model_path = spec, workload, run_dir, model_path
         self.learner_dir = run_dir / "learner"
         self.env_port, self.ports = free_port(), (free_port(), free_port(), free_port())
-        self.pg = ProcessGroup(run_dir / "logs")
+        self.pg = ProcessGroup(run_dir / "logs", "turnscale")
         self.actors: list[Any] = []
 
     def __enter__(self) -> "Cluster":
-        from turnscale.procs import wait_http_ok
+        from common.procs import wait_http_ok
 
         try:
             self.env = self.pg.start("envhub", envhub_args(self.workload, self.env_port))
@@ -180,7 +181,7 @@ class Cluster:
 
     def check(self, deadline: float, what: str) -> None:
         """Raise ``ChildFailed`` past ``deadline`` or when a child died with an error."""
-        from turnscale.procs import ChildFailed
+        from common.procs import ChildFailed
 
         if time.monotonic() > deadline:
             raise ChildFailed(f"{self.spec.name}: timed out waiting for {what}:\n{self.learner.tail()}")
@@ -195,7 +196,7 @@ class Cluster:
 def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float, model_path: str = "") -> RunStats:
     """Start envhub, learner and ``spec.actors`` actors; wait for the learner to finish its
     steps (bounded by ``timeout_s``); end every child by pid; read the learner's files."""
-    from turnscale.procs import ChildFailed
+    from common.procs import ChildFailed
 
     deadline = time.monotonic() + timeout_s
     with Cluster(spec, workload, root / spec.name, model_path) as c:
@@ -388,7 +389,7 @@ def run(args) -> list[Result]:
         part's figures are left out, so the rest of the suite still runs."""
         if name not in parts:
             return
-        from turnscale.procs import ChildFailed
+        from common.procs import ChildFailed
 
         try:
             fn()

@@ -72,7 +72,7 @@ def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnsca
     figure is None for servers other than ours (flavor != turnscale: no ``/metrics``)."""
     import trio
 
-    from envhub.client import EnvClient
+    from common.envclient import EnvClient
 
     ours = flavor == "turnscale"
 
@@ -115,7 +115,7 @@ def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnsca
 def _client_req_s(url: str, seconds: float, concurrency: int) -> float:
     import trio
 
-    from envhub.client import EnvClient
+    from common.envclient import EnvClient
 
     async def main() -> float:
         async with EnvClient(url, max_connections=concurrency) as client:
@@ -210,8 +210,8 @@ def _sciworld(seconds: float) -> list[Result]:
         return []
     import trio
 
-    from envhub.client import EnvClient
-    from envhub.launch import envhub_server
+    from common.envclient import EnvClient
+    from benchmarks.envhub_launch import envhub_server
     from envhub.registry import make_family
 
     import conf
@@ -252,7 +252,7 @@ def _sciworld(seconds: float) -> list[Result]:
 
 
 def run(args: argparse.Namespace) -> list[Result]:
-    from envhub.launch import envhub_server
+    from benchmarks.envhub_launch import envhub_server
 
     seconds = getattr(args, "envhub_seconds", 4.0)
     episodes = getattr(args, "envhub_episodes", 64)

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from conf.schema import Config
-    from learner.synthetic import build_tiny_model, synthetic_groups
+    from benchmarks.synthetic import build_tiny_model, synthetic_groups
     from learner.trainer import Trainer
 
     g_n = getattr(args, "learner_groups", 2)

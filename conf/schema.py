@@ -107,7 +107,7 @@ class EnvConfig:
     @property
     def client_flavor(self) -> str:
         """What the env server speaks, for env clients: ``env.options.flavor`` (default
-        ``turnscale``; ``agentgym`` etc. for AgentGym's own servers, see ``envhub.client``)."""
+        ``turnscale``; ``agentgym`` etc. for AgentGym's own servers, see ``common.envclient``)."""
         return str(self.options.get("flavor") or "turnscale")
 
 

@@ -6,8 +6,10 @@
   JSON responses within the limits; ``httpserver``: uvicorn with connection, header and
   keep-alive limits (README "Security and limits").
 - ``main``: ``turnscale envhub env=<name> host=... port=...`` / ``python -m envhub``.
-- ``launch``: start a server child process and wait for ``/health`` (tests, benchmarks, run).
-- ``client`` (+ ``http11``): ``EnvClient``, the async (trio) client the actors use.
+- The async client of this HTTP API is ``common.envclient`` (the shared layer: actors use it).
 - ``registry``: env name -> family factory; one module per family (``babyai``, ...).
-- ``babyai_oracle``: the BabyAI expert (high-level actions) for tests and warm starts.
+- ``simwork``: the simulated long-tail workload a server applies when ``env.options.sim_latency``
+  is set (benchmarks); ``corpus``: an env's text played in-process (the tiny tokenizer).
+- ``babyai_oracle``: the BabyAI expert (high-level actions) for tests and warm starts; the env
+  imports it (``BabyAIEnv.expert_action``, ``babyai.play_oracle``), it imports ``babyai_prims``.
 """

@@ -56,13 +56,11 @@ a PNG data URL of the full grid.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from envhub.babyai_prims import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, quiet_stdout
 from envhub.base import AgentGymShape, ResetResult, StepResult
 from envhub.options import read_options
 
@@ -119,22 +117,9 @@ TEXTS = ("agentgym", "clean")
 SEEDS_PER_PASS = 100
 LEVEL_CACHE = 4
 """Built minigrid envs kept per instance (a reset to a new level costs a ``gym.make``)."""
-LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE, DONE = 0, 1, 2, 3, 4, 5, 6
 PICKABLE = ("key", "ball", "box")
 DESCRIBED = ("door", "key", "ball", "box", "goal", "lava")
 CHECK = "check available actions"
-
-
-_STDOUT_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def quiet_stdout():
-    """Swallow what minigrid prints (level generation retries).  ``sys.stdout`` is process
-    global, so swaps are serialised: unlocked, two threads' nested swaps can leave stdout
-    pointing at a dead buffer.  (The envhub server also sends fd 1 to stderr.)"""
-    with _STDOUT_LOCK, contextlib.redirect_stdout(io.StringIO()):
-        yield
 
 
 def task_for(data_idx: int) -> tuple[str, int]:
@@ -600,6 +585,44 @@ class AgentGymTextBabyAIEnv(BabyAIEnv):
 
     def __init__(self, max_env_steps: int = 0) -> None:
         super().__init__(max_env_steps, text="agentgym")
+
+
+@dataclass(frozen=True)
+class OracleRun:
+    steps: tuple[tuple[str, str], ...]
+    """(observation shown, oracle action) per turn."""
+    success: bool
+    reward: float
+    level: str
+
+
+def play_oracle(data_idx: int, max_turns: int = 64) -> OracleRun:
+    """Play one episode of task ``data_idx`` with the oracle (``envhub.babyai_oracle``), in process."""
+    from envhub.babyai_oracle import BabyAIOracle
+
+    env = BabyAIEnv()
+    obs = env.reset(data_idx).observation
+    oracle = BabyAIOracle(env)
+    env._oracle = oracle
+    steps, success, ret = [], False, 0.0
+    try:
+        for _ in range(max_turns):
+            action = oracle.next_action()
+            steps.append((obs, action))
+            out = env.step(action)
+            obs, ret = out.observation, ret + out.reward
+            if out.done:
+                success = bool(out.info["success"])
+                break
+    finally:
+        level = env.level
+        env.close()
+    return OracleRun(tuple(steps), success, ret, level)
+
+
+def oracle_episode(data_idx: int, max_turns: int = 64) -> list[tuple[str, str]]:
+    """[(observation, expert action), ...] for task ``data_idx`` (SFT warm-start data)."""
+    return list(play_oracle(data_idx, max_turns).steps)
 
 
 class BabyAIFamily:

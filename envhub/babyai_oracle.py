@@ -37,7 +37,7 @@ import copy
 import re
 from dataclasses import dataclass
 
-from envhub.babyai import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, BabyAIEnv, quiet_stdout
+from envhub.babyai_prims import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, quiet_stdout
 
 _VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid DIR_TO_VEC
 MAX_SUBGOALS = 256
@@ -268,39 +268,3 @@ class BabyAIOracle:
             return best
         first = self.suggest
         return {LEFT: "turn left", RIGHT: "turn right"}.get(first, "move forward" if "move forward" in self.env.actions else "turn left")
-
-
-@dataclass(frozen=True)
-class OracleRun:
-    steps: tuple[tuple[str, str], ...]
-    """(observation shown, oracle action) per turn."""
-    success: bool
-    reward: float
-    level: str
-
-
-def play_oracle(data_idx: int, max_turns: int = 64) -> OracleRun:
-    """Play one episode of task ``data_idx`` with the oracle, in process."""
-    env = BabyAIEnv()
-    obs = env.reset(data_idx).observation
-    oracle = BabyAIOracle(env)
-    env._oracle = oracle
-    steps, success, ret = [], False, 0.0
-    try:
-        for _ in range(max_turns):
-            action = oracle.next_action()
-            steps.append((obs, action))
-            out = env.step(action)
-            obs, ret = out.observation, ret + out.reward
-            if out.done:
-                success = bool(out.info["success"])
-                break
-    finally:
-        level = env.level
-        env.close()
-    return OracleRun(tuple(steps), success, ret, level)
-
-
-def oracle_episode(data_idx: int, max_turns: int = 64) -> list[tuple[str, str]]:
-    """[(observation, expert action), ...] for task ``data_idx`` (SFT warm-start data)."""
-    return list(play_oracle(data_idx, max_turns).steps)

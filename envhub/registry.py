@@ -23,7 +23,7 @@ FAMILIES: dict[str, str] = {
 
 
 CLIENT_OPTIONS = ("flavor",)
-"""``env.options`` keys read by env clients (``envhub.client.EnvClient``), not by families."""
+"""``env.options`` keys read by env clients (``common.envclient.EnvClient``), not by families."""
 SERVER_OPTIONS = ("server_threads",)
 """``env.options`` keys read by the server process (``envhub.main``), not by families."""
 

@@ -14,7 +14,7 @@ Two faces of the same routes (JSON in, JSON out):
 - **Our API** under ``/v1`` (``/v1/create``, ``/v1/reset``, ...): the same operations with
   real status codes and ``{"error": {"code", "message"}}`` bodies, a uniform ``/v1/create`` ->
   ``{"id", "env_idx"}`` (no implicit reset) and ``/v1/reset`` -> a dict in every family.
-  ``envhub.client.EnvClient`` (flavor ``turnscale``) speaks this one.
+  ``common.envclient.EnvClient`` (flavor ``turnscale``) speaks this one.
 
 ``render_error`` is the one place an ``ApiError`` becomes a response (per face).
 

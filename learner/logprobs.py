@@ -1,6 +1,6 @@
 """The learner's side of the log-prob convention (``protocol.messages.SamplingParams``).
 
-The convention itself lives in ``turnscale.logprobs`` (shared with the actors' engines:
+The convention itself lives in ``common.logprobs`` (shared with the actors' engines:
 ``scaled_log_softmax`` = float32 ``log_softmax(logits / temperature)`` over the full
 vocabulary); this module applies it to teacher-forced ``[B, T]`` streams:
 
@@ -18,7 +18,7 @@ from contextlib import nullcontext
 
 import torch
 
-from turnscale.logprobs import scaled_log_softmax
+from common.logprobs import scaled_log_softmax
 
 
 def _log_softmax(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -11,11 +11,14 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from conf.schema import Config
 
 log = logging.getLogger("turnscale.learner")
+
+EnvPlay = Callable[[Any, int], Iterable[str]]
+"""``(env config, episodes) -> texts``: the env played in-process (``envhub.corpus.play_texts``)."""
 
 FALLBACK_CORPUS = [
     "Your goal: go to the red ball. You see a wall 3 steps forward. Available actions: [turn left, turn right, move forward]",
@@ -25,45 +28,33 @@ FALLBACK_CORPUS = [
 ]
 
 
-def env_corpus(cfg: Config, episodes: int = 24) -> list[str]:
-    """Text for the tiny model's tokenizer: the env's own observations from a few episodes
-    (played in-process), the actors' instruction prompt, and a few fixed lines."""
+def env_corpus(cfg: Config, episodes: int = 24, play: EnvPlay | None = None) -> list[str]:
+    """Text for the tiny model's tokenizer: a few fixed lines, the actors' instruction prompt,
+    and the env's own observations from a few episodes played in-process by ``play``.
+
+    ``play`` (``envhub.corpus.play_texts``) is handed in by the application (``turnscale
+    learner``, benchmarks): roles never import each other, so the learner does not import
+    envhub.  Without it (``python -m learner``) the corpus is the fixed lines and the prompt."""
     texts: list[str] = list(FALLBACK_CORPUS)
     try:
-        from actors.prompts import instruction
+        from common.prompts import instruction
 
         texts.append(instruction(cfg.env.name))
     except (ImportError, ValueError):
         pass
-    try:
-        from envhub.registry import make_family
-
-        family = make_family(cfg.env)
-    except Exception as exc:  # env deps missing: the fixed lines still make a usable tokenizer
-        log.warning("tiny-model corpus: env %s unavailable (%s); using built-in text only", cfg.env.name, exc)
-        return texts
-    try:
-        env = family.create()
-        for i in range(episodes):
-            r = env.reset(i)
-            texts.append(r.observation)
-            for action in ("move forward", "turn left", "check available actions"):
-                texts.append(env.step(action).observation)
-        env.close()
-    except Exception as exc:
-        log.warning("tiny-model corpus: playing %s failed (%s); using what was collected", cfg.env.name, exc)
-    finally:
-        family.close()
+    if play is not None:
+        texts.extend(play(cfg.env, episodes))
     return texts
 
 
-def resolve_model_path(cfg: Config) -> str:
-    """``learner.init_from`` when set, else ``model.path`` (``tiny``: built once and cached)."""
+def resolve_model_path(cfg: Config, play: EnvPlay | None = None) -> str:
+    """``learner.init_from`` when set, else ``model.path`` (``tiny``: built once and cached,
+    on ``env_corpus(cfg, play=play)``)."""
     if cfg.learner.init_from:
         return cfg.learner.init_from
-    from turnscale.tinymodel import ensure_model
+    from common.tinymodel import ensure_model
 
-    return ensure_model(cfg.model, lambda: env_corpus(cfg))
+    return ensure_model(cfg.model, lambda: env_corpus(cfg, play=play))
 
 
 class TrainerCheckpointer:
@@ -88,7 +79,7 @@ class TrainerCheckpointer:
         return dict(loaded.extra)
 
 
-async def run(cfg: Config) -> int:
+async def run(cfg: Config, play: EnvPlay | None = None) -> int:
     import trio
 
     from learner.metrics import make_logger
@@ -104,7 +95,7 @@ async def run(cfg: Config) -> int:
     lc = cfg.learner
     os.makedirs(lc.dir, exist_ok=True)
     conf.save(cfg, os.path.join(lc.dir, "config.yaml"))  # the resolved config, next to checkpoints/
-    model_path = await trio.to_thread.run_sync(resolve_model_path, cfg)
+    model_path = await trio.to_thread.run_sync(resolve_model_path, cfg, play)
     trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
     if cfg.algo.name == "sft" and lc.sft_data:
         from learner.sft import run_sft
@@ -156,7 +147,7 @@ async def _stop_on_signal(scope: Any, service: Any) -> None:
             return
 
 
-def main(argv: Iterable[str] | None = None) -> int:
+def main(argv: Iterable[str] | None = None, play: EnvPlay | None = None) -> int:
     import trio
 
     import conf
@@ -166,7 +157,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except conf.ConfigError as exc:
         print(f"turnscale learner: {exc}", file=sys.stderr)
         return 2
-    from turnscale.procs import setup_process
+    from common.procs import setup_process
 
     setup_process()
-    return trio.run(run, cfg)
+    return trio.run(run, cfg, play)

@@ -26,7 +26,7 @@ log = logging.getLogger("turnscale.learner.sft")
 
 def run_sft(cfg: Config, trainer: Any, logger: Any) -> str:
     """Train ``cfg.learner.steps`` SFT steps; returns the final checkpoint's folder."""
-    from actors.renderer import Renderer
+    from common.renderer import Renderer
     from learner.sft_data import load_sft_groups
 
     lc = cfg.learner

@@ -129,7 +129,7 @@ class EnvEndpoint:
     url: str
     """Base URL of the envhub server, e.g. ``http://127.0.0.1:8301``."""
     flavor: str = "turnscale"
-    """What that server speaks (``envhub.client.FLAVORS``): ``turnscale`` for envhub,
+    """What that server speaks (``common.envclient.FLAVORS``): ``turnscale`` for envhub,
     ``agentgym`` for AgentGym's own servers (``env.options.flavor``)."""
 
 

@@ -11,7 +11,7 @@ import sys
 
 ROLES: dict[str, tuple[str, str]] = {
     "envhub": ("envhub.main", "serve one env family over HTTP (AgentGym-compatible)"),
-    "learner": ("learner.main", "the central learner: leases, training, weight publication"),
+    "learner": ("turnscale.learnerapp", "the central learner: leases, training, weight publication"),
     "actor": ("actors.main", "one actor process: inference engine + episodes, pointed at a learner"),
     "run": ("turnscale.launch", "everything on one machine: envhub, learner, actors (embedded defaults)"),
     "eval": ("turnscale.evaluate", "success / Avg@k / Pass@k of a checkpoint on an env split"),

@@ -1,4 +1,4 @@
-"""Env sessions for ``turnscale eval`` over ``envhub.client.EnvClient`` (one client, many instances).
+"""Env sessions for ``turnscale eval`` over ``common.envclient.EnvClient`` (one client, many instances).
 
 ``ClientPool.open()`` creates one env instance on the server and returns a session with the
 ``actors.episode.EnvSession`` shape (``reset(data_idx) -> (obs, info)``,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from envhub.client import EnvClient, EnvClientError
+from common.envclient import EnvClient, EnvClientError
 
 
 class ClientSession:

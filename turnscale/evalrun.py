@@ -1,7 +1,7 @@
 """The running part of ``turnscale eval``: models x turn limits x tasks x samples -> episode records.
 
 Episodes are played by the actor's own code (``actors.episode.run_episode`` with the engine from
-``actors.engine.make_engine``, the renderer, the env's parser and prompt) against an envhub server
+``actors.engines.make_engine``, the renderer, the env's parser and prompt) against an envhub server
 through the env client, ``concurrency`` episodes at a time in one trio event loop.  Env sessions
 are opened lazily (at most ``concurrency``) and reused across episodes, as actors do.
 
@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 import numpy as np
 
-from turnscale.procs import stop_process
+from common.procs import stop_process
 
 
 class EvalNotBuilt(RuntimeError):
@@ -226,14 +226,14 @@ def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0, flavo
 
 def _require_client() -> None:
     try:
-        from envhub.client import EnvClient  # noqa: F401
+        from common.envclient import EnvClient  # noqa: F401
     except ImportError:
-        raise EvalNotBuilt("turnscale eval: running models needs envhub/client.py, which is not built yet; "
+        raise EvalNotBuilt("turnscale eval: running models needs common/envclient.py, which is not built yet; "
                            "report on recorded episodes with --from-jsonl FILE") from None
 
 
 def make_pool(env_name: str, url: str, cfg: Any) -> SessionPool:
-    """Env sessions on ``url`` through the envhub client (``envhub/client.py``)."""
+    """Env sessions on ``url`` through the envhub client (``common/envclient.py``)."""
     _require_client()
     from turnscale.evalclient import ClientPool
 
@@ -254,7 +254,7 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
     try:
         import trio  # noqa: F401
 
-        from actors.engine import make_engine  # noqa: F401
+        from actors.engines import make_engine  # noqa: F401
         from actors.episode import run_episode  # noqa: F401
     except ImportError as exc:
         raise EvalNotBuilt(f"turnscale eval: running models needs the actor code ({exc.name} is missing)") from None
@@ -282,10 +282,11 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
 def _run_model(cfg, path, label, plans, split, concurrency, progress, write, pool_factory) -> list[dict]:
     import trio
 
-    from actors.engine import EngineError, make_engine
-    from actors.parsing import parser_for
-    from actors.prompts import instruction
-    from actors.renderer import Renderer
+    from actors.engine import EngineError
+    from actors.engines import make_engine
+    from common.parsing import parser_for
+    from common.prompts import instruction
+    from common.renderer import Renderer
     from protocol.messages import SamplingParams
 
     if os.environ.get("OMP_NUM_THREADS"):

@@ -14,7 +14,7 @@
 
 Children get the resolved config as explicit ``++key=value`` overrides (``child_overrides``),
 so every process sees exactly the launcher's configuration.  Each child is started and
-ended by pid (``turnscale.procs``); its log is ``<run.dir>/logs/<name>.log``.
+ended by pid (``common.procs``); its log is ``<run.dir>/logs/<name>.log``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from conf.schema import Config
-from turnscale.procs import ChildFailed, ProcessGroup, wait_http_ok
+from common.procs import ChildFailed, ProcessGroup, wait_http_ok
 
 DEFAULT_EXPERIMENT = "run_babyai"
 
@@ -123,7 +123,7 @@ class Launcher:
         self.cfg = cfg
         self.dir = Path(cfg.run.dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.procs = ProcessGroup(self.dir / "logs")
+        self.procs = ProcessGroup(self.dir / "logs", "turnscale")
         self.t0 = time.monotonic()
 
     def say(self, msg: str) -> None:
@@ -163,7 +163,7 @@ class Launcher:
 
     # 1-2
     def prepare(self) -> tuple[dict[str, str], str, str]:
-        from turnscale.tinymodel import ensure_model
+        from common.tinymodel import ensure_model
         from turnscale.warmstart import corpus_from_conversations, oracle_conversations, write_conversations
 
         from envhub.babyai import run_levels

@@ -13,14 +13,14 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from actors.prompts import initial_messages, instruction
+from common.prompts import initial_messages, instruction
 
 
 def oracle_conversations(env: str, task_ids: Sequence[int], *, max_turns: int) -> Iterable[dict]:
     """One conversation per task the oracle solves within ``max_turns`` (failures are skipped)."""
     if env != "babyai":
         raise ValueError(f"env {env!r} has no built-in oracle; give recorded conversations to algo=sft instead")
-    from envhub.babyai_oracle import play_oracle
+    from envhub.babyai import play_oracle
 
     prompt = instruction(env)
     for idx in task_ids:

@@ -10,7 +10,7 @@ import torch
 torch.set_num_threads(1)
 
 from conf.schema import Config  # noqa: E402
-from learner.synthetic import synthetic_groups  # noqa: E402
+from benchmarks.synthetic import synthetic_groups  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 
 

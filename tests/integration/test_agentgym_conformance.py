@@ -259,7 +259,7 @@ def test_our_client_agentgym_flavors_play_on_agentgym_shaped_servers(babyai, sea
     import trio
 
     from envhub import searchqa_data
-    from envhub.client import EnvClient, EnvHTTPError
+    from common.envclient import EnvClient, EnvHTTPError
 
     with open(os.path.join(searchqa_data.DATA_DIR, searchqa_data.QUESTIONS_FILE)) as f:
         item = json.loads(f.readline())

@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("minigrid")
 
 from envhub.babyai import LEVELS, BabyAIEnv
-from envhub.babyai_oracle import BabyAIOracle, oracle_episode, play_oracle
+from envhub.babyai import oracle_episode, play_oracle
+from envhub.babyai_oracle import BabyAIOracle
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ def test_concurrent_textcraft_episodes_through_the_actor_client(textcraft):
     """16 trio tasks, one instance each, solve different goals at once: no cross-talk."""
     import trio
 
-    from envhub.client import EnvClient
+    from common.envclient import EnvClient
 
     book = RecipeBook()
     ids = [0, 60, 130, 200, 260, 330, 400, 415, 420, 450, 480, 510, 532, 533, 540, 543]

@@ -99,7 +99,7 @@ def test_64_concurrent_episodes_do_not_cross_talk(server):
     import trio
 
     from envhub.babyai import BabyAIFamily
-    from envhub.client import EnvClient
+    from common.envclient import EnvClient
 
     script = ["turn left", "move forward", "turn right", "move forward", "check available actions", "move forward"]
     expected = {}

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
-from envhub.client import EnvClient, EnvConnectionLost, EnvHTTPError, EnvNotFound, EnvTimeout, EnvUnavailable
+from common.envclient import EnvClient, EnvConnectionLost, EnvHTTPError, EnvNotFound, EnvTimeout, EnvUnavailable
 from tests.envhub_proc import free_port
 
 

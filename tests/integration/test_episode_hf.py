@@ -13,14 +13,14 @@ import torch
 import trio
 from transformers import AutoTokenizer
 
-from actors.engine import make_engine
+from actors.engines import make_engine
 from actors.episode import run_group
-from actors.parsing import ParseResult
-from actors.renderer import Renderer
+from common.parsing import ParseResult
+from common.renderer import Renderer
 from conf.schema import EngineConfig
 from protocol import codec
 from protocol.messages import Lease, SamplingParams, Task
-from turnscale.logprobs import token_logprobs
+from common.logprobs import token_logprobs
 
 
 class ScriptedEnv:

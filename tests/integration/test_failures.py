@@ -1,5 +1,5 @@
 """Failures the running system survives: real envhub, learner and actor processes on 127.0.0.1
-with the tiny model, started and ended by pid through ``turnscale.procs.ProcessGroup``.
+with the tiny model, started and ended by pid through ``common.procs.ProcessGroup``.
 
 - elastic: a third actor joins mid-run (current weights and turn limit before its first
   lease); an actor SIGKILLed mid-group has its leases re-issued after ``lease_ttl_s``;
@@ -30,7 +30,7 @@ import pytest
 
 from protocol.messages import TRAINABLE_FINISH_REASONS
 from protocol.transport import free_port
-from turnscale.procs import Child, ProcessGroup, wait_http_ok
+from common.procs import Child, ProcessGroup, wait_http_ok
 
 GROUP_SIZE = 2
 GROUPS_PER_STEP = 2
@@ -54,7 +54,7 @@ class Cluster:
 
     def __init__(self, tmp_path: Path, model_dir: str, *extra: str) -> None:
         self.dir = tmp_path / "learner"
-        self.procs = ProcessGroup(tmp_path / "logs")
+        self.procs = ProcessGroup(tmp_path / "logs", "turnscale")
         self.env_port = free_port()
         ports = [free_port() for _ in range(3)]
         self.common = [

@@ -24,7 +24,7 @@ from protocol.messages import GroupAck, Hello, LeaseGrant, LeaseRequest, Traject
 from protocol.transport import AsyncSocket, Requester, configure, free_port
 from tests.integration.test_failures import rss_mb
 from tests.unit.fakes import make_episode
-from turnscale.procs import ProcessGroup
+from common.procs import ProcessGroup
 
 VOCAB = 1024
 CONTEXT = 256
@@ -67,7 +67,7 @@ def _bad_episodes(ep, version):
 def test_learner_drops_each_semantically_bad_group_as_invalid_and_keeps_training(tmp_path, tiny_model_dir):
     ports = [free_port() for _ in range(3)]
     run_dir = tmp_path / "learner"
-    procs = ProcessGroup(tmp_path / "logs")
+    procs = ProcessGroup(tmp_path / "logs", "turnscale")
     learner = procs.start("learner", [
         "learner", f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
         f"model.path={tiny_model_dir}", f"learner.dir={run_dir}", "learner.steps=2", "learner.groups_per_step=1",
@@ -154,7 +154,7 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
     from protocol.messages import Goodbye, Heartbeat, HeartbeatAck
 
     ports = [free_port() for _ in range(3)]
-    procs = ProcessGroup(tmp_path / "logs")
+    procs = ProcessGroup(tmp_path / "logs", "turnscale")
     learner = procs.start("learner", [
         "learner", f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
         f"model.path={tiny_model_dir}", f"learner.dir={tmp_path / 'learner'}", "learner.steps=1000",

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from learner.synthetic import build_tiny_model
+from benchmarks.synthetic import build_tiny_model
 from learner.trainer import Trainer
 from protocol.transport import free_port
 from tests.integration import ddp_worker

@@ -155,7 +155,7 @@ def test_trained_weights_published_and_pulled_give_the_same_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from conf.schema import Config
-    from learner.synthetic import build_tiny_model, synthetic_groups
+    from benchmarks.synthetic import build_tiny_model, synthetic_groups
     from learner.trainer import Trainer
 
     path = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)

@@ -11,12 +11,12 @@ import trio
 import conf
 from actors.actor import Actor, Runtime
 from actors.main import GroupPlayer, RuntimeBuilder, build_actor, env_client, new_receive_buffer, pull_into
-from actors.prompts import instruction
-from actors.renderer import Renderer
+from common.prompts import instruction
+from common.renderer import Renderer
 from protocol.messages import EnvEndpoint, Lease, PolicyAnnouncement, SamplingParams, Task, Welcome
 from tests.unit.test_episode import SP, FakeEngine, FakeEnv
 from tests.conftest import tiny_corpus
-from turnscale.tinymodel import build_tokenizer
+from common.tinymodel import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 
 from conf.schema import ServerLimits
 from envhub.base import EnvBusy, ResetResult, StepResult
-from envhub.client import EnvBusyError
-from envhub.client import _decode as client_decode
+from common.envclient import EnvBusyError
+from common.envclient import _decode as client_decode
 from envhub.main import rewrite_overrides
 from envhub.server import create_app
 
@@ -244,7 +244,7 @@ def test_agentgym_face_env_failure_is_200_error_without_trace(client):
 
 
 def test_agentgym_error_bodies_become_typed_client_errors(client):
-    from envhub.client import EnvNotFound
+    from common.envclient import EnvNotFound
 
     r = client.post("/step", json={"id": 10**9, "action": "x"})
     with pytest.raises(EnvNotFound, match="not_found"):

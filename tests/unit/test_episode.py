@@ -10,12 +10,12 @@ import trio
 
 from actors.engine import EngineError, GenerateRequest, GenerateResult
 from actors.episode import run_episode, run_group
-from actors.parsing import parse_action_line
-from actors.renderer import Renderer
+from common.parsing import parse_action_line
+from common.renderer import Renderer
 from protocol import codec
 from protocol.messages import Lease, SamplingParams, Task, TrajectoryGroup
 from tests.conftest import tiny_corpus
-from turnscale.tinymodel import build_tokenizer
+from common.tinymodel import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ import pytest
 import trio
 
 from actors.engine import GenerateResult
-from actors.parsing import parse_action_line
-from actors.renderer import Renderer
+from common.parsing import parse_action_line
+from common.renderer import Renderer
 from protocol.messages import SamplingParams
 from tests.conftest import tiny_corpus
 from turnscale.evalmetrics import EpisodeResult, report_rows
 from turnscale.evalrun import play_all, plan
-from turnscale.tinymodel import build_tokenizer
+from common.tinymodel import build_tokenizer
 
 
 @pytest.fixture(scope="module")

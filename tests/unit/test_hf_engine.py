@@ -11,7 +11,7 @@ from actors.engine import EngineClosed, EngineError, GenerateRequest
 from actors.hf_engine import HFEngine, sample_tokens
 from conf.schema import EngineConfig
 from protocol.messages import SamplingParams
-from turnscale.logprobs import token_logprobs
+from common.logprobs import token_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 import conf
 from turnscale.launch import Launcher
-from turnscale.procs import ChildFailed
+from common.procs import ChildFailed
 
 
 def _launcher(tmp_path, *overrides):

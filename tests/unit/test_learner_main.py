@@ -1,5 +1,6 @@
 import conf
-from learner.main import FALLBACK_CORPUS, env_corpus, resolve_model_path
+from learner.main import FALLBACK_CORPUS, resolve_model_path
+from turnscale.learnerapp import env_corpus
 
 
 def test_tiny_model_corpus_is_the_envs_own_text_and_deterministic():

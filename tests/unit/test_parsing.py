@@ -1,5 +1,5 @@
-from actors.parsing import ACTION_LINE_HINT, parse_action_line, parse_backticks, parse_tags, parser_for
-from actors.prompts import INSTRUCTIONS, initial_messages
+from common.parsing import ACTION_LINE_HINT, parse_action_line, parse_backticks, parse_tags, parser_for
+from common.prompts import INSTRUCTIONS, initial_messages
 
 import pytest
 

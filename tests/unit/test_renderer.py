@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.renderer import Renderer, RenderError
+from common.renderer import Renderer, RenderError
 from tests.conftest import tiny_corpus
-from turnscale.tinymodel import CHATML_TEMPLATE, build_tokenizer
+from common.tinymodel import CHATML_TEMPLATE, build_tokenizer
 
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"

@@ -10,7 +10,7 @@ from learner.sft_data import SFTDataError, conversation_to_episode, load_sft_gro
 def renderer(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from actors.renderer import Renderer
+    from common.renderer import Renderer
 
     return Renderer.for_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
 

@@ -5,15 +5,16 @@ import dataclasses
 import numpy as np
 import trio
 
-from actors.engine import GenerateRequest, make_engine
+from actors.engine import GenerateRequest
+from actors.engines import make_engine
 from actors.episode import run_episode
-from actors.parsing import parse_action_line
-from actors.renderer import Renderer
+from common.parsing import parse_action_line
+from common.renderer import Renderer
 from actors.sim_engine import SIM_LOGPROB
 from conf.schema import EngineConfig, SimEngineConfig
 from protocol.messages import SamplingParams, Task
 from tests.conftest import tiny_corpus
-from turnscale.tinymodel import build_tokenizer
+from common.tinymodel import build_tokenizer
 
 
 def test_sim_engine_returns_real_tokens_ending_with_the_stop_token():

@@ -6,7 +6,7 @@ import pytest
 
 from conf.schema import ModelConfig, TinyModelConfig
 from tests.conftest import tiny_corpus
-from turnscale import tinymodel
+from common import tinymodel
 
 
 def test_tokenizer_json_and_autotokenizer_give_identical_ids(tiny_model_dir):

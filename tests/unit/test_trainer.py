@@ -12,7 +12,7 @@ from conf.schema import Config
 from learner import checkpoint as ckpt
 from learner.logprobs import token_logprobs_BT
 from learner.schedule import TurnSchedule
-from learner.synthetic import build_tiny_model, synthetic_groups
+from benchmarks.synthetic import build_tiny_model, synthetic_groups
 from learner.trainer import Trainer, lr_factor
 
 
@@ -234,7 +234,7 @@ def test_fused_logprobs_and_entropy_match_the_reference_functions():
 
 
 def test_learner_logprobs_equal_the_actor_convention():
-    from turnscale.logprobs import token_logprobs
+    from common.logprobs import token_logprobs
 
     torch.manual_seed(2)
     logits = torch.randn(3, 6, 13)

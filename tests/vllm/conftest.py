@@ -14,7 +14,7 @@ def tiny_model_dir_hd32(tmp_path_factory) -> str:
     """A tiny Qwen2 model whose head_dim is 32 (vLLM's CPU attention needs >= 32; the shared
     ``tiny_model_dir`` has 16): hidden 128, 4 heads, 2 KV heads, 2 layers, vocab 1024."""
     from conf.schema import TinyModelConfig
-    from turnscale.tinymodel import build_tiny_model
+    from common.tinymodel import build_tiny_model
 
     cfg = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=1024)
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-hd32")), cfg, tiny_corpus())

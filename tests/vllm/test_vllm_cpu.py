@@ -95,9 +95,9 @@ def test_behaviour_logprobs_of_multi_turn_episodes_equal_the_learners_teacher_fo
     from transformers import AutoTokenizer
 
     from actors.episode import run_episode
-    from actors.parsing import parse_action_line
-    from actors.prompts import instruction
-    from actors.renderer import Renderer
+    from common.parsing import parse_action_line
+    from common.prompts import instruction
+    from common.renderer import Renderer
     from protocol.messages import Task
 
     renderer = Renderer.for_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir_hd32))

@@ -121,18 +121,21 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @dataclass
 class ProcessGroup:
-    """Children of one launcher; ``close()`` ends them in reverse start order."""
+    """Children of one launcher, each ``<python> -m <module> <args>``; ``close()`` ends them in
+    reverse start order.  ``module`` is the caller's (the application passes ``turnscale``): the
+    shared layer names no module above it."""
 
     log_dir: Path
+    module: str
     children: list[Child] = field(default_factory=list)
 
     def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None, python: str = "") -> Child:
-        """``<python> -m turnscale <args>`` (``python``: empty for this interpreter)."""
+        """``<python> -m <module> <args>`` (``python``: empty for this interpreter)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log = open(log_path, "ab")
         popen = subprocess.Popen(
-            [python or sys.executable, "-m", "turnscale", *args],
+            [python or sys.executable, "-m", self.module, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

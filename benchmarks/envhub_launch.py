@@ -1,4 +1,4 @@
-"""Start an envhub server as a child process (tests, benchmarks, ``turnscale run``).
+"""Start an envhub server as a child process (tests, benchmarks).
 
     with envhub_server("babyai", idle_timeout_s=1.0) as url:
         ...

@@ -1,4 +1,4 @@
-"""The async env client the actors use (trio): HTTP/1.1 over trio streams (``envhub.http11``,
+"""The async env client the actors use (trio): HTTP/1.1 over trio streams (``common.http11``,
 a small pure codec) and a bounded keep-alive connection pool per client.
 
 Retry rule: only connection errors are retried (capped exponential backoff with jitter), and
@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from envhub.http11 import HTTPProtocolError, ResponseParser, build_request
+from common.http11 import HTTPProtocolError, ResponseParser, build_request
 from protocol.errors import TurnscaleError
 
 FLAVORS = ("turnscale", "agentgym", "agentgym_searchqa", "agentgym_webarena")
