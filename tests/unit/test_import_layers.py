@@ -33,9 +33,10 @@ PACKAGES = (*BOTTOM, *SHARED, *ROLES, *TOP)
 LAYER = {**{p: "bottom" for p in BOTTOM}, **{p: "shared" for p in SHARED}, **{p: "role" for p in ROLES}, **{p: "top" for p in TOP}, "tests": "tests"}
 
 ALLOWED: dict[str, frozenset[str]] = {
-    # the bottom: the wire protocol and the config schema stand alone (neither imports the other)
+    # the bottom: the wire protocol imports nothing of ours; the config schema may read the
+    # protocol's vocabulary (wire dtype names, ``protocol.dtypes``), never the reverse
     "protocol": frozenset(),
-    "conf": frozenset(),
+    "conf": frozenset(("protocol",)),
     # the shared layer: what several roles need
     "common": frozenset(BOTTOM),
     # the roles import only downward, never each other
