@@ -94,14 +94,14 @@ def episode_chains(recorded) -> list[list]:
 
 def corpus():
     from common.parsing import ACTION_LINE_HINT, BACKTICKS_HINT, TAGS_HINT
-    from common.prompts import INSTRUCTIONS
+    from conf.envs import ENVS
     from actors.sim_engine import RESPONSES
 
     import random
 
     rng = random.Random(0)
     syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"]
-    base = list(INSTRUCTIONS.values()) + list(RESPONSES) + [ACTION_LINE_HINT, TAGS_HINT, BACKTICKS_HINT]
+    base = [s.prompt for s in ENVS.values()] + list(RESPONSES) + [ACTION_LINE_HINT, TAGS_HINT, BACKTICKS_HINT]
     words = [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(9)) for _ in range(1500)]
     return [f"{t} {i}" for i in range(20) for t in base] + words
 

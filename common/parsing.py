@@ -1,6 +1,7 @@
 """Per-env action parsers: the model's turn text -> the action string the env receives.
 
-Formats (AgentGym's agent side):
+Each env names its format in ``conf.envs`` (``EnvSpec.action_format``).  Formats (AgentGym's
+agent side):
 
 - ``action_line`` (BabyAI, TextCraft, SciWorld): ReAct ``Thought: ...\\nAction: ...``; the
   action is the text after ``Action:`` up to the line end.  Zero or several ``Action:``
@@ -18,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Callable
+
+from conf.envs import env_spec
 
 
 @dataclass(frozen=True)
@@ -74,17 +77,14 @@ def parse_backticks(text: str) -> ParseResult:
     return ParseResult(ok=True, action=action)
 
 
-PARSERS: dict[str, ActionParser] = {
-    "babyai": parse_action_line,
-    "textcraft": parse_action_line,
-    "sciworld": parse_action_line,
-    "searchqa": parse_tags,
-    "webarena": parse_backticks,
+FORMATS: dict[str, ActionParser] = {
+    "action_line": parse_action_line,
+    "tags": parse_tags,
+    "backticks": parse_backticks,
 }
+"""Action format name (``conf.envs.EnvSpec.action_format``) -> its parser."""
 
 
 def parser_for(env: str) -> ActionParser:
-    try:
-        return PARSERS[env]
-    except KeyError:
-        raise ValueError(f"no action parser for env {env!r}; known: {sorted(PARSERS)}") from None
+    """The action parser of ``env``: ``FORMATS[conf.envs.ENVS[env].action_format]``."""
+    return FORMATS[env_spec(env, what="action parser").action_format]

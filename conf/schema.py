@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from conf.envs import ENVS
 from protocol.dtypes import FLOAT_DTYPES
 
 
@@ -77,7 +78,7 @@ class EnvConfig:
     """One env family: the envhub server's settings and where clients find it."""
 
     name: str = "babyai"
-    """``babyai``, ``textcraft``, ``sciworld``, ``searchqa`` or ``webarena``."""
+    """An env registered in ``conf.envs`` (``babyai``, ``textcraft``, ...)."""
     host: str = "127.0.0.1"
     """Interface the server binds (clients connect here unless ``url`` is set)."""
     port: int = 8301
@@ -96,7 +97,7 @@ class EnvConfig:
     """Deadlines, sizes, quotas and connection limits of the server."""
 
     def __post_init__(self) -> None:
-        _require(self.name in ENV_NAMES, "env.name", f"unknown env {self.name!r}; choose one of {sorted(ENV_NAMES)}")
+        _require(self.name in ENVS, "env.name", f"unknown env {self.name!r}; choose one of {sorted(ENVS)}")
         _require(0 < self.port < 65536, "env.port", f"{self.port} is not a TCP port")
         _require(self.max_instances > 0, "env.max_instances", "must be > 0")
 
@@ -109,9 +110,6 @@ class EnvConfig:
         """What the env server speaks, for env clients: ``env.options.flavor`` (default
         ``turnscale``; ``agentgym`` etc. for AgentGym's own servers, see ``common.envclient``)."""
         return str(self.options.get("flavor") or "turnscale")
-
-
-ENV_NAMES = frozenset({"babyai", "textcraft", "sciworld", "searchqa", "webarena"})
 
 
 @dataclass(kw_only=True)

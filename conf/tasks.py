@@ -5,7 +5,7 @@ A task spec is one of:
 - ``"start:stop"``: ``range(start, stop)``, ``0 <= start < stop``;
 - ``"3,5,9"`` (or a single ``"7"``): those indices, in that order;
 - the path of a JSON file holding AgentGym-RL's item list ``[{"item_id": "babyai_17"}, ...]``
-  (the prefix, if any, must name the env, case aside) or a plain list of non-negative ints.
+  (the prefix, if any, must be the env's ``conf.envs`` ``agentgym_prefix``, case aside) or a plain list of non-negative ints.
 
 An existing file wins over the range/list reading of the same string.  ``parse_task_spec``
 returns ``(data_idx, task_id)`` pairs in spec/file order, duplicates kept (``task_id`` is the
@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+from conf.envs import ENVS
 
 _SHAPES = "give 'start:stop', a comma list '3,5,9' or a JSON id file"
 
@@ -66,6 +68,13 @@ def _load_task_file(path: str, env: str, label: str) -> list[tuple[int, str]]:
     return [_item(it, f"task file {path!r} entry {i}", env) for i, it in enumerate(items)]
 
 
+def _agentgym_prefix(env: str) -> str:
+    """AgentGym-RL's item-id prefix for ``env`` (``conf.envs``; the env name itself for an env
+    not in the table)."""
+    spec = ENVS.get(env)
+    return spec.agentgym_prefix if spec else env
+
+
 def _item(item: Any, where: str, env: str) -> tuple[int, str]:
     if isinstance(item, int) and not isinstance(item, bool):
         if item < 0:
@@ -76,7 +85,7 @@ def _item(item: Any, where: str, env: str) -> tuple[int, str]:
         prefix, _, num = item_id.rpartition("_")
         if not (num.isascii() and num.isdigit()):
             raise TaskSpecError(f"{where}: item_id {item_id!r} is not '{env}_<n>'")
-        if prefix and prefix.lower() != env.lower():
+        if prefix and prefix.lower() != _agentgym_prefix(env).lower():
             raise TaskSpecError(f"{where}: item_id {item_id!r} is for env {prefix!r}, not {env!r}")
         return int(num), item_id
     raise TaskSpecError(f"{where}: expected an int or {{\"item_id\": \"{env}_<n>\"}}, got {item!r}")

@@ -1,4 +1,5 @@
-"""Env family name -> ``module:factory``; imported lazily so a server loads only its own deps.
+"""Env family name -> its factory, from ``conf.envs`` (``EnvSpec.server``, ``"<module>:<factory>"``
+of a module inside ``envhub/``); imported lazily so a server loads only its own deps.
 
 ``factory(cfg: conf.schema.EnvConfig) -> envhub.base.EnvFamily``.  When
 ``cfg.options`` holds ``sim_latency`` the family is wrapped in the simulated long-tail
@@ -13,13 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-FAMILIES: dict[str, str] = {
-    "babyai": "envhub.babyai:make_family",
-    "textcraft": "envhub.textcraft:make_family",
-    "sciworld": "envhub.sciworld:make_family",
-    "searchqa": "envhub.searchqa:make_family",
-    "webarena": "envhub.webarena:make_family",
-}
+from conf.envs import ENVS
 
 
 CLIENT_OPTIONS = ("flavor",)
@@ -32,10 +27,15 @@ def make_family(cfg):
     foreign = (*CLIENT_OPTIONS, *SERVER_OPTIONS)
     if any(k in cfg.options for k in foreign):
         cfg = dataclasses.replace(cfg, options={k: v for k, v in cfg.options.items() if k not in foreign})
-    if cfg.name not in FAMILIES:
-        raise ValueError(f"config key 'env.name': unknown env {cfg.name!r}; choose one of {sorted(FAMILIES)}")
+    if cfg.name not in ENVS:
+        raise ValueError(f"config key 'env.name': unknown env {cfg.name!r}; choose one of {sorted(ENVS)}")
     from envhub.simwork import split_options, wrap
 
     own, sim = split_options(cfg)
-    module, attr = FAMILIES[cfg.name].split(":")
-    return wrap(getattr(importlib.import_module(module), attr)(own), sim)
+    return wrap(family_factory(cfg.name)(own), sim)
+
+
+def family_factory(name: str):
+    """The factory named by ``conf.envs.ENVS[name].server``, imported from ``envhub.<module>``."""
+    module, attr = ENVS[name].server.split(":")
+    return getattr(importlib.import_module(f"envhub.{module}"), attr)

@@ -1,5 +1,5 @@
 from common.parsing import ACTION_LINE_HINT, parse_action_line, parse_backticks, parse_tags, parser_for
-from common.prompts import INSTRUCTIONS, initial_messages
+from common.prompts import initial_messages, instruction
 
 import pytest
 
@@ -30,7 +30,7 @@ def test_backticks_take_the_first_block():
 
 def test_every_env_has_a_parser_and_an_instruction():
     for env in ("babyai", "textcraft", "sciworld", "searchqa", "webarena"):
-        assert callable(parser_for(env)) and INSTRUCTIONS[env]
+        assert callable(parser_for(env)) and instruction(env)
     with pytest.raises(ValueError):
         parser_for("chess")
 
