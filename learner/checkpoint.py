@@ -2,18 +2,29 @@
 
 Layout of ``<root>/step-<8 digits>/``::
 
-    model/                    HF format (save_pretrained, safetensors) + tokenizer files
-    modules.safetensors       extra trained modules (e.g. the PPO value head), "<module>.<param>"
-    trainer_state.pt          optimizer, LR scheduler, RNG states (torch.save; loaded weights_only)
-    meta.json                 {"format", "step", "schedule", "extra"} — written last
+    model/                    HF format (save_pretrained, safetensors) + tokenizer files   } the trainer's
+    modules.safetensors       extra trained modules (e.g. the PPO value head), "<module>.<param>"  } part
+    trainer_state.pt          optimizer, LR scheduler, RNG states and the trainer's own       } (``Trainer.
+                              optimizer-step counter "step" (torch.save; loaded weights_only) } state_writer``)
+    meta.json                 the run's state: {"format", "step", "schedule", "extra"} — written last
+
+Two writers, one folder: ``save`` creates the temp folder, has the trainer write its part
+into it (``write_trainer(dir)``: model, optimizer and RNG state only), then writes the run's
+state itself as ``meta.json``.  ``extra`` is the run's state, opaque here
+(``learner.runstate.RunState.state``: step, version, run id, trained groups; plus the task
+cursor and leases); ``schedule`` is the turn schedule's state; both must be
+JSON-serialisable.  The trainer's ``step`` and ``meta.json``'s ``step`` must agree on load
+(``learner.main.TrainerCheckpointer``).
 
 Ordering: everything is written into ``<root>/.tmp-step-...`` and the folder is renamed
 to its final name only when complete (``os.rename`` is atomic on one filesystem), so a
 crash never leaves a half-written ``step-*`` folder; ``latest`` ignores temp folders and
-folders without ``meta.json``.  Older checkpoints beyond ``keep`` are removed after the
-rename.  ``extra`` is the run's state, opaque here (``learner.runstate.RunState.state``:
-step, version, run id, trained groups; plus the task cursor and leases); it must
-be JSON-serialisable.
+folders without ``meta.json``, which is written (and fsynced) last.  Older checkpoints
+beyond ``keep`` are removed after the rename.
+
+Format 1 (before the trainer's part and the run's state were split) had the same files,
+but ``trainer_state.pt`` had no ``step``: ``load_trainer_state`` takes it from ``meta.json``
+then, so such checkpoints still resume.
 """
 
 from __future__ import annotations
@@ -24,13 +35,15 @@ import random
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)
+"""Formats ``load_meta`` accepts (1: no ``step`` in ``trainer_state.pt``)."""
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -40,13 +53,13 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class Loaded:
-    """What ``load_meta`` / ``load_trainer_state`` return."""
+    """A checkpoint's run state (``meta.json``), what ``load_meta`` returns."""
 
     path: str
     step: int
     schedule: dict[str, Any] | None
     extra: dict[str, Any]
-    trainer_state: dict[str, Any] = field(default_factory=dict)
+    format: int = FORMAT
 
 
 def step_dir(root: str, step: int) -> str:
@@ -100,35 +113,24 @@ def save(
     root: str,
     *,
     step: int,
-    model: Any,
-    model_state: Mapping[str, torch.Tensor] | None = None,
-    tokenizer: Any = None,
-    modules: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
-    trainer_state: Mapping[str, Any] | None = None,
+    write_trainer: Callable[[str], Any],
     schedule: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
     keep: int = 2,
 ) -> str:
     """Write a checkpoint for ``step`` atomically; returns its final path.
 
-    ``model`` is an (unwrapped) HF ``PreTrainedModel``; ``model_state`` the full state
-    dict to save (under FSDP, ``accelerator.get_state_dict``), default its own.
+    ``write_trainer(dir)`` writes the trainer's part (model, modules, ``trainer_state.pt``:
+    ``Trainer.state_writer``) into the temp folder; the run's state (``schedule``, ``extra``)
+    goes into ``meta.json``, written last.
     """
-    from safetensors.torch import save_file
-
     meta = {"format": FORMAT, "step": step, "schedule": dict(schedule) if schedule else None, "extra": dict(extra or {})}
     meta_json = json.dumps(meta)  # a non-JSON extra fails here, before anything is written
     os.makedirs(root, exist_ok=True)
     tmp = os.path.join(root, f".tmp-step-{step:08d}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        model.save_pretrained(os.path.join(tmp, "model"), state_dict=dict(model_state) if model_state is not None else None)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        if modules:
-            flat = {f"{m}.{k}": v.detach().to("cpu").contiguous() for m, sd in modules.items() for k, v in sd.items()}
-            save_file(flat, os.path.join(tmp, "modules.safetensors"))
-        torch.save(dict(trainer_state or {}), os.path.join(tmp, "trainer_state.pt"))
+        write_trainer(tmp)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             f.write(meta_json)
             f.flush()
@@ -148,6 +150,30 @@ def save(
     return final
 
 
+def write_trainer_part(
+    path: str,
+    *,
+    model: Any,
+    model_state: Mapping[str, torch.Tensor] | None = None,
+    tokenizer: Any = None,
+    modules: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    trainer_state: Mapping[str, Any],
+) -> None:
+    """The trainer's files in ``path`` (a temp folder of ``save``): ``model/`` (``model`` is an
+    unwrapped HF ``PreTrainedModel``; ``model_state`` the full state dict to save, under FSDP
+    ``accelerator.get_state_dict``, default its own), ``modules.safetensors`` and
+    ``trainer_state.pt`` (optimizer, scheduler, RNG, ``step``)."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(os.path.join(path, "model"), state_dict=dict(model_state) if model_state is not None else None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(path, "model"))
+    if modules:
+        flat = {f"{m}.{k}": v.detach().to("cpu").contiguous() for m, sd in modules.items() for k, v in sd.items()}
+        save_file(flat, os.path.join(path, "modules.safetensors"))
+    torch.save(dict(trainer_state), os.path.join(path, "trainer_state.pt"))
+
+
 def prune(root: str, keep: int) -> None:
     """Remove all but the newest ``keep`` complete checkpoints (and stale temp folders)."""
     cps = list_checkpoints(root)
@@ -161,13 +187,22 @@ def load_meta(path: str) -> Loaded:
         raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json); use checkpoint.latest(root)")
     with open(meta_path) as f:
         meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this code reads {FORMAT}")
-    return Loaded(path=path, step=int(meta["step"]), schedule=meta.get("schedule"), extra=meta.get("extra") or {})
+    if meta.get("format") not in READS:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this code reads {list(READS)}")
+    return Loaded(path=path, step=int(meta["step"]), schedule=meta.get("schedule"), extra=meta.get("extra") or {},
+                  format=int(meta["format"]))
 
 
 def load_trainer_state(path: str) -> dict[str, Any]:
-    return torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    """``trainer_state.pt`` of a complete checkpoint (``CheckpointError`` otherwise), with its
+    ``step``: format 1 did not store it there, so it comes from ``meta.json`` then."""
+    meta = load_meta(path)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    if "step" not in state:
+        if meta.format != 1:
+            raise CheckpointError(f"{path}: trainer_state.pt has no step")
+        state["step"] = meta.step
+    return state
 
 
 def load_model_state(path: str) -> dict[str, torch.Tensor]:

@@ -58,25 +58,43 @@ def resolve_model_path(cfg: Config, play: EnvPlay | None = None) -> str:
 
 
 class TrainerCheckpointer:
-    """``service.CheckpointerLike`` over ``Trainer.save_checkpoint`` / ``load_checkpoint``."""
+    """``service.CheckpointerLike``: one checkpoint folder per step (``learner.checkpoint``)
+    holding the trainer's part (``Trainer.state_writer``: model, optimizer, RNG, its
+    optimizer-step counter) and, beside it, the run's state that the service hands in
+    (``extra``: ``RunState``, task cursor, leases) plus the schedule's state.  ``schedule``
+    may be None (SFT has none)."""
 
     def __init__(self, trainer: Any, root: str, schedule: Any, keep: int) -> None:
         self.trainer, self.root, self.schedule, self.keep = trainer, root, schedule, keep
 
-    def save(self, step: int, extra: dict[str, Any]) -> None:
-        path = self.trainer.save_checkpoint(self.root, schedule=self.schedule.state_dict(step), extra=extra, keep=self.keep)
+    def save(self, step: int, extra: dict[str, Any]) -> str | None:
+        """Write ``<root>/step-<step>`` atomically; its path (None on ranks other than the
+        main one, which only take part in gathering the model)."""
+        from learner import checkpoint
+
+        write = self.trainer.state_writer()
+        if write is None:
+            return None
+        schedule = self.schedule.state_dict(step) if self.schedule is not None else None
+        path = checkpoint.save(self.root, step=step, write_trainer=write, schedule=schedule, extra=extra, keep=self.keep)
         log.info("checkpoint %s", path)
+        return path
 
     def load_latest(self) -> dict[str, Any] | None:
+        """Restore the trainer from the newest complete checkpoint and check the schedule;
+        returns the run's state (``extra``), or None when there is no checkpoint."""
         from learner import checkpoint
 
         path = checkpoint.latest(self.root)
         if path is None:
             return None
-        loaded = self.trainer.load_checkpoint(path)
-        if loaded.schedule is not None:
-            self.schedule.check_resume(loaded.schedule, loaded.step)
-        return dict(loaded.extra)
+        run = checkpoint.load_meta(path)
+        trainer_step = self.trainer.load_state(path)
+        if trainer_step != run.step:
+            raise checkpoint.CheckpointError(f"{path}: the run's state is at step {run.step}, the trainer's at {trainer_step}")
+        if run.schedule is not None and self.schedule is not None:
+            self.schedule.check_resume(run.schedule, run.step)
+        return dict(run.extra)
 
 
 async def run(cfg: Config, play: EnvPlay | None = None) -> int:

@@ -27,6 +27,7 @@ log = logging.getLogger("turnscale.learner.sft")
 def run_sft(cfg: Config, trainer: Any, logger: Any) -> str:
     """Train ``cfg.learner.steps`` SFT steps; returns the final checkpoint's folder."""
     from common.renderer import Renderer
+    from learner.main import TrainerCheckpointer
     from learner.sft_data import load_sft_groups
 
     lc = cfg.learner
@@ -53,6 +54,5 @@ def run_sft(cfg: Config, trainer: Any, logger: Any) -> str:
         metrics["perf/wall_s"] = time.monotonic() - t0
         logger.write(trainer.step, metrics)
         if trainer.step % lc.checkpoint_every == 0 or trainer.step >= lc.steps:
-            path = trainer.save_checkpoint(root, extra={"sft_data": lc.sft_data}, keep=lc.keep_checkpoints)
-            log.info("sft checkpoint %s", path)
+            path = TrainerCheckpointer(trainer, root, None, lc.keep_checkpoints).save(trainer.step, {"sft_data": lc.sft_data}) or ""
     return path

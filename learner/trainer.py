@@ -31,7 +31,7 @@ Several ranks (``accelerate launch``): each rank calls ``train_step`` with its s
 the groups; the loss normaliser is the all-reduced loss-token count, gradients are
 synchronised on the last micro-batch only, so every rank must plan the same number of
 micro-batches (give ranks equal shares).  ``state_dict_for_publish`` and
-``save_checkpoint`` gather the full model on every rank (call them on all ranks);
+``state_writer`` gather the full model on every rank (call them on all ranks);
 sharded (FSDP) optimizer state is saved as each rank's ``optimizer.state_dict()`` only
 from the main rank — resuming FSDP runs is not covered yet.
 """
@@ -42,7 +42,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -248,38 +248,40 @@ class Trainer:
             out[k] = v.to(device="cpu", dtype=want, copy=copy).contiguous()
         return out
 
-    def save_checkpoint(self, root: str, *, schedule: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-                        keep: int | None = None) -> str | None:
-        """Write ``<root>/step-<step>`` (``learner.checkpoint``); returns its path (None on
-        ranks other than the main one, which still take part in the gather)."""
+    def state_writer(self) -> Callable[[str], None] | None:
+        """The trainer's part of a checkpoint: model, value head, optimizer, LR schedule, RNG
+        and its optimizer-step counter ``step`` (no run state: ``learner.checkpoint.save``
+        writes that beside it).  Gathers the full model, so call it on every rank; returns
+        ``write(dir)`` on the main rank, None on the others.  The writer references the live
+        weights and optimizer state (no copies): run it before the next step."""
         model_state = self.accelerator.get_state_dict(self.model)
         modules = {}
         if self.value_head is not None:
             modules["value_head"] = self.accelerator.get_state_dict(self.value_head)
         if not self.accelerator.is_main_process:
             return None
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": ckpt.capture_rng()}
-        return ckpt.save(
-            root, step=self.step, model=self.hf_model, model_state=model_state, tokenizer=self.tokenizer, modules=modules,
-            trainer_state=state, schedule=schedule, extra=extra, keep=self.cfg.learner.keep_checkpoints if keep is None else keep,
-        )
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": ckpt.capture_rng(),
+                 "step": self.step}
+        model, tokenizer = self.hf_model, self.tokenizer
+        return lambda path: ckpt.write_trainer_part(path, model=model, model_state=model_state, tokenizer=tokenizer,
+                                                    modules=modules, trainer_state=state)
 
-    def load_checkpoint(self, path: str) -> ckpt.Loaded:
-        """Restore model, value head, optimizer, LR schedule, RNG and step from ``path``;
-        returns the checkpoint's schedule state and ``extra`` for the service."""
-        loaded = ckpt.load_meta(path)
+    def load_state(self, path: str) -> int:
+        """Restore model, value head, optimizer, LR schedule, RNG and ``step`` from the complete
+        checkpoint at ``path`` (``CheckpointError`` for an incomplete one); returns ``step``.
+        The run's state in the same folder is the checkpointer's to read."""
+        state = ckpt.load_trainer_state(path)
         self._load_model_state(ckpt.load_model_state(path))
         modules = ckpt.load_modules(path)
         if self.value_head is not None:
             if "value_head" not in modules:
                 raise ckpt.CheckpointError(f"{path} has no value head; it was not written by a PPO run")
             self.accelerator.unwrap_model(self.value_head).load_state_dict(modules["value_head"])
-        state = ckpt.load_trainer_state(path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
-        self.step = loaded.step
-        return loaded
+        self.step = int(state["step"])
+        return self.step
 
     # ------------------------------------------------------------------ internals
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from conf.schema import Config
 from learner import checkpoint as ckpt
 from learner.logprobs import token_logprobs_BT
+from learner.main import TrainerCheckpointer
 from learner.schedule import TurnSchedule
 from benchmarks.synthetic import build_tiny_model, synthetic_groups
 from learner.trainer import Trainer, lr_factor
@@ -48,6 +50,11 @@ def assert_same(a, b, atol=1e-6):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
 
 
+def save(trainer, root, *, schedule=None, extra=None, keep=2):
+    """A checkpoint of ``trainer`` as the learner writes it: the trainer's part plus the run's state."""
+    return TrainerCheckpointer(trainer, str(root), schedule, keep).save(trainer.step, dict(extra or {}))
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_resume_after_three_steps_then_two_equals_five_straight(model_dir, tmp_path, algo):
     data = batches(5)
@@ -60,13 +67,13 @@ def test_resume_after_three_steps_then_two_equals_five_straight(model_dir, tmp_p
     for b in data[:3]:
         first.train_step(b)
     sched = TurnSchedule(turns=[4, 8], every=3)
-    path = first.save_checkpoint(str(tmp_path), schedule=sched.state_dict(first.step), extra={"cursor": 7, "version": 3})
+    path = save(first, tmp_path, schedule=sched, extra={"cursor": 7, "version": 3})
     del first
 
     resumed = Trainer(make_cfg(algo, **kw), model_dir)
-    loaded = resumed.load_checkpoint(ckpt.latest(str(tmp_path)))
-    assert loaded.path == path and resumed.step == 3 and loaded.extra == {"cursor": 7, "version": 3}
-    assert sched.check_resume(loaded.schedule, resumed.step) == 1
+    extra = TrainerCheckpointer(resumed, str(tmp_path), sched, 2).load_latest()
+    assert ckpt.latest(str(tmp_path)) == path and resumed.step == 3 and extra == {"cursor": 7, "version": 3}
+    assert sched.check_resume(ckpt.load_meta(path).schedule, resumed.step) == 1
     for b in data[3:]:
         resumed.train_step(b)
     assert resumed.step == straight.step == 5
@@ -74,20 +81,84 @@ def test_resume_after_three_steps_then_two_equals_five_straight(model_dir, tmp_p
     assert resumed.scheduler.get_last_lr() == straight.scheduler.get_last_lr()
 
 
+def test_the_trainer_writes_only_model_optimizer_and_rng_state(model_dir, tmp_path):
+    """The run's state (schedule, ``extra``) is the checkpointer's, in ``meta.json`` beside the
+    trainer's files; the trainer's ``trainer_state.pt`` holds its own state only."""
+    tr = Trainer(make_cfg("ppo"), model_dir)
+    tr.train_step(batches(1)[0])
+    part = tmp_path / "part"
+    part.mkdir()
+    tr.state_writer()(str(part))
+    assert sorted(os.listdir(part)) == ["model", "modules.safetensors", "trainer_state.pt"]
+    state = torch.load(part / "trainer_state.pt", weights_only=True)
+    assert sorted(state) == ["optimizer", "rng", "scheduler", "step"] and state["step"] == 1
+    path = save(tr, tmp_path / "ck", schedule=TurnSchedule(turns=[4, 8], every=3), extra={"version": 1})
+    meta = json.loads(open(os.path.join(path, "meta.json")).read())
+    assert meta == {"format": ckpt.FORMAT, "step": 1, "schedule": meta["schedule"], "extra": {"version": 1}} and meta["schedule"]
+
+
+def test_a_checkpoint_in_the_previous_layout_still_resumes(model_dir, tmp_path):
+    """Format 1: the trainer's step was only in ``meta.json`` (``trainer_state.pt`` had none)."""
+    data = batches(3)
+    tr = Trainer(make_cfg(), model_dir)
+    for b in data[:2]:
+        tr.train_step(b)
+    path = save(tr, tmp_path, extra={"version": 2, "cursor": 5})
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    del state["step"]
+    torch.save(state, os.path.join(path, "trainer_state.pt"))
+    meta = json.loads(open(os.path.join(path, "meta.json")).read())
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({**meta, "format": 1}, f)
+
+    again = Trainer(make_cfg(), model_dir)
+    assert TrainerCheckpointer(again, str(tmp_path), None, 2).load_latest() == {"version": 2, "cursor": 5}
+    assert again.step == 2
+    assert_same(params(again), params(tr))
+    tr.train_step(data[2])
+    again.train_step(data[2])
+    assert_same(params(again), params(tr))
+
+
+def test_resume_refuses_a_trainer_step_that_disagrees_with_the_run_state(model_dir, tmp_path):
+    tr = Trainer(make_cfg(), model_dir)
+    tr.train_step(batches(1)[0])
+    path = save(tr, tmp_path)
+    meta = json.loads(open(os.path.join(path, "meta.json")).read())
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({**meta, "step": 7}, f)
+    with pytest.raises(ckpt.CheckpointError, match="step 7"):
+        TrainerCheckpointer(Trainer(make_cfg(), model_dir), str(tmp_path), None, 2).load_latest()
+
+
 def test_checkpoints_keep_the_last_n_and_latest_ignores_incomplete_ones(model_dir, tmp_path):
     tr = Trainer(make_cfg(), model_dir)
     for b in batches(3):
         tr.train_step(b)
-        tr.save_checkpoint(str(tmp_path), keep=2)
+        save(tr, tmp_path, keep=2)
     assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [2, 3]
     os.makedirs(tmp_path / "step-00000009")  # a crash mid-write would look like this (no meta.json)
     os.makedirs(tmp_path / ".tmp-step-00000010-abc")
     assert ckpt.latest(str(tmp_path)).endswith("step-00000003")
     with pytest.raises(ckpt.CheckpointError, match="meta.json"):
-        tr.load_checkpoint(str(tmp_path / "step-00000009"))
+        tr.load_state(str(tmp_path / "step-00000009"))
     with pytest.raises(TypeError):
-        tr.save_checkpoint(str(tmp_path), extra={"not json": object()})
+        save(tr, tmp_path, extra={"not json": object()})
     assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [2, 3]
+
+
+def test_a_failure_while_the_trainer_writes_its_part_leaves_no_checkpoint(model_dir, tmp_path):
+    tr = Trainer(make_cfg(), model_dir)
+    tr.train_step(batches(1)[0])
+    write = tr.state_writer()
+
+    def crash(path):
+        write(path)  # the trainer's part is complete, the run's state not yet written
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        ckpt.save(str(tmp_path), step=tr.step, write_trainer=crash, extra={"version": 1})
+    assert ckpt.latest(str(tmp_path)) is None and os.listdir(tmp_path) == []
 
 
 def test_checkpoint_model_folder_is_a_loadable_hf_model(model_dir, tmp_path):
@@ -95,7 +166,7 @@ def test_checkpoint_model_folder_is_a_loadable_hf_model(model_dir, tmp_path):
 
     tr = Trainer(make_cfg(), model_dir)
     tr.train_step(batches(1)[0])
-    path = tr.save_checkpoint(str(tmp_path))
+    path = save(tr, tmp_path)
     again = AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"))
     assert_same({k: v for k, v in again.state_dict().items()}, dict(tr.hf_model.state_dict()))
 
