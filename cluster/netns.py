@@ -258,7 +258,8 @@ class Cluster:
     """Fake hosts ``hosts`` (names of your choosing), each a network namespace with its own
     address; a context manager whose exit always tears everything down."""
 
-    def __init__(self, hosts: Sequence[str], *, rate_mbit: float | None = None, prefix: str | None = None):
+    def __init__(self, hosts: Sequence[str], *, rate_mbit: float | None = None, prefix: str | None = None,
+                 kill_grace_s: float = _KILL_GRACE_S):
         ok, why = available()
         if not ok:
             raise ClusterError(why)
@@ -275,6 +276,7 @@ class Cluster:
         self._index = {h: i + 1 for i, h in enumerate(hosts)}
         self._procs: list[subprocess.Popen] = []
         self._closed = False
+        self.kill_grace_s = kill_grace_s
         self._lock = threading.Lock()
         _install_hooks()
         _live.add(self)
@@ -402,9 +404,12 @@ class Cluster:
             return list(self._procs)
 
     # -- teardown --------------------------------------------------------------------------
-    def close(self, grace_s: float = _KILL_GRACE_S) -> None:
-        """Kill the tracked process groups (TERM, KILL after ``grace_s``) and anything else left
-        in the namespaces, delete veths, bridge and namespaces.  Idempotent."""
+    def close(self, grace_s: float | None = None) -> None:
+        """Kill the tracked process groups (TERM, KILL after ``grace_s``, default the
+        constructor's ``kill_grace_s``) and anything else left in the namespaces, delete veths,
+        bridge and namespaces.  Idempotent."""
+        if grace_s is None:
+            grace_s = self.kill_grace_s
         with self._lock:
             if self._closed:
                 return
