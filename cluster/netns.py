@@ -48,7 +48,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from typing import Any, Mapping, Sequence
 
 __all__ = ["Cluster", "ClusterError", "available", "leftovers", "cleanup"]
@@ -222,13 +221,13 @@ def _ns_subnets() -> list[ipaddress.IPv4Network]:
     return [n for n in out if not n.is_loopback]
 
 
-_live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+_live: "set[Cluster]" = set()  # strong references: an unclosed cluster is torn down at exit, even if dropped
 _hooks_installed = False
 _hooks_lock = threading.Lock()
 
 
 def _close_all() -> None:
-    for c in list(_live):
+    for c in list(_live):  # close() removes it
         try:
             c.close()
         except Exception:  # noqa: BLE001 - best effort at exit

@@ -181,3 +181,27 @@ def test_cleanup_command_removes_a_crashed_cluster():
     finally:
         c.close()
     assert not leftovers(c.prefix)
+
+
+def test_unclosed_cluster_is_torn_down_at_exit_and_on_sigterm():
+    """A process that never closes its cluster: ``atexit`` tears it down on a normal exit, the
+    SIGTERM handler (installed where nobody else handles SIGTERM) on a kill."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, time; from cluster.netns import Cluster; c = Cluster(['a', 'b'], prefix=sys.argv[1]); "
+            "c.spawn('a', ['sleep', '60']); print('up', flush=True); time.sleep(float(sys.argv[2]))")
+    tag = os.urandom(2).hex()
+    r = subprocess.run([PY, "-c", code, f"tsx{tag}", "0"], capture_output=True, text=True, timeout=60, cwd=root)
+    assert r.returncode == 0 and r.stdout == "up\n", r.stderr
+    assert not leftovers(f"tsx{tag}")
+    p = subprocess.Popen([PY, "-c", code, f"tsy{tag}", "60"], stdout=subprocess.PIPE, text=True, cwd=root)
+    try:
+        assert p.stdout.readline() == "up\n"
+        assert len(leftovers(f"tsy{tag}")) == 5
+        p.terminate()
+        assert p.wait(timeout=30) == 128 + 15
+        assert not leftovers(f"tsy{tag}")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+        subprocess.run([PY, "-m", "cluster.netns", "--cleanup", f"tsy{tag}"], timeout=60, cwd=root)
