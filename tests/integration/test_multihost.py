@@ -80,7 +80,7 @@ def _until(cond, timeout_s: float, what: str, procs: list[subprocess.Popen] = ()
 
 def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
     run_dir = str(tmp_path / "run")
-    steps = 16
+    steps = 12
     hosts = ["L", "E", "A1", "A2", "A3"]
     logs = {name: str(tmp_path / f"{name}.log") for name in ("envhub", "learner", "a1", "a2", "a3")}
     events: dict[str, int] = {}  # event -> learner step when it happened
@@ -100,33 +100,35 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
             envhub = spawn_role(c, "E", ["envhub", "env=babyai", f"host={c.addr('E')}", f"port={ENV_PORT}"],
                                 logs["envhub"])
             learner = spawn_role(c, "L", ["learner", *common, f"learner.steps={steps}",
-                                          "learner.debug_step_delay_s=1.5"], logs["learner"])
+                                          "learner.debug_step_delay_s=1.0"], logs["learner"])
             a1 = spawn_role(c, "A1", ["actor", *common, "actor.actor_id=a1"], logs["a1"])
             a2 = spawn_role(c, "A2", ["actor", *common, "actor.actor_id=a2"], logs["a2"])
+            # a3 starts with its host cut off, so it boots now but can only join once its link is up
+            c.set_link("A3", False)
+            a3 = spawn_role(c, "A3", ["actor", *common, "actor.actor_id=a3"], logs["a3"])
             wait_healthy_in(c, "A1", env_url, envhub, 60)  # E's address, as the actors reach it
 
-            # a late joiner once training runs
-            _until(lambda: _step(run_dir) >= 1, 150, "the first step", [learner, a1, a2])
-            events["a3 starts"] = _step(run_dir)
-            a3 = spawn_role(c, "A3", ["actor", *common, "actor.actor_id=a3"], logs["a3"])
-            _until(lambda: "actor a3 registered" in _text(logs["learner"]), 60, "a3 to register", [learner, a3])
-            events["a3 registered"] = _step(run_dir)
-
-            # a2 leaves on SIGTERM (graceful: it finishes or abandons its group, says goodbye, exits 0)
-            os.kill(a2.pid, signal.SIGTERM)
+            # once training runs: a3 joins late, A1's link is cut, a2 leaves on SIGTERM
+            _until(lambda: _step(run_dir) >= 1, 150, "the first step", [learner, a1, a2, a3])
+            assert "actor a3 registered" not in _text(logs["learner"])
+            c.set_link("A3", True)
+            events["a3 joins"] = _step(run_dir)
+            c.set_link("A1", False)
+            events["A1 cut"] = _step(run_dir)
+            os.kill(a2.pid, signal.SIGTERM)  # graceful: finishes or abandons its group, says goodbye
             assert wait_exit([a2], 30) == [0], "a2 did not exit 0 on SIGTERM"
             events["a2 left"] = _step(run_dir)
 
-            # cut A1's link until a1 notices, then restore it: a1 registers again and trains again
-            c.set_link("A1", False)
-            events["A1 cut"] = _step(run_dir)
+            # a1 notices the cut; the link is restored; a1 registers again (and trains again, below)
             _until(lambda: "learner lost" in _text(logs["a1"]), 30, "a1 to notice the cut", [learner, a1, a3])
             c.set_link("A1", True)
             events["A1 restored"] = _step(run_dir)
             _until(lambda: _text(logs["a1"]).count("registered with learner run") >= 2, 30, "a1 to re-register",
                    [learner, a1, a3])
             events["a1 re-registered"] = _step(run_dir)
-            assert events["a1 re-registered"] < steps, f"the run ended before a1 came back: {events}"
+            _until(lambda: "actor a3 registered" in _text(logs["learner"]), 30, "a3 to register", [learner, a1, a3])
+            events["a3 registered"] = _step(run_dir)
+            assert events["a3 registered"] < steps, f"the run ended before a3 joined: {events}"
 
             codes = wait_exit([learner, a1, a3], 180)
             events["end"] = _step(run_dir)
