@@ -1,7 +1,7 @@
 """The real roles on fake hosts (``cluster.netns``): a learner on host L (bound to its own
 address), a BabyAI envhub on host E (the learner announces E's address), actors on hosts A1..A3
-with the tiny model.  Mid-run one actor host's link is cut and restored while another actor
-leaves on SIGTERM, then an actor joins late (it booted behind a cut link): the run completes
+with the tiny model.  Mid-run one actor host's link is cut while another actor leaves on
+SIGTERM; an actor joins late (it booted behind a cut link); the cut link is restored: the run completes
 every step, the cut actor re-registers and trains again, the late one trains, every process
 exits 0, and teardown leaves no namespace, link or process behind.
 Needs root; skips with the reason elsewhere."""
@@ -110,7 +110,7 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
             wait_healthy_in(c, "A1", env_url, envhub, 60)  # E's address, as the actors reach it
 
             # once a1 and a2 train: A1's link is cut and a2 leaves on SIGTERM.  No actor can feed
-            # the learner now (a3 is still cut off), so the run waits for a1 to come back
+            # the learner now (a3 is still cut off), so the run waits for what follows
             _until(lambda: _step(run_dir) >= 1 and all("applied weights version" in _text(logs[a]) for a in ("a1", "a2")),
                    150, "the first step with a1 and a2 playing", [learner, a1, a2, a3])
             c.set_link("A1", False)
@@ -119,21 +119,22 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
             assert wait_exit([a2], 30) == [0], "a2 did not exit 0 on SIGTERM"
             events["a2 left"] = _step(run_dir)
 
-            # a1 notices the cut; the link is restored; a1 registers again (and trains again, below)
+            # a1 notices the cut.  a3 joins late (its link comes up) and plays while a1 is still
+            # cut off; then A1's link is restored and a1 registers again (and trains again, below)
             _until(lambda: "learner lost" in _text(logs["a1"]), 30, "a1 to notice the cut", [learner, a1, a3])
+            events["a1 lost"] = _step(run_dir)
+            assert "actor a3 registered" not in _text(logs["learner"])
+            c.set_link("A3", True)
+            events["a3 joins"] = _step(run_dir)
+            _until(lambda: "actor a3 registered" in _text(logs["learner"]) and "applied weights version" in _text(logs["a3"]),
+                   60, "a3 to register and load weights", [learner, a1, a3])
+            events["a3 plays"] = _step(run_dir)
             c.set_link("A1", True)
             events["A1 restored"] = _step(run_dir)
             _until(lambda: _text(logs["a1"]).count("registered with learner run") >= 2, 30, "a1 to re-register",
                    [learner, a1, a3])
             events["a1 re-registered"] = _step(run_dir)
-
-            # a3 joins late
-            assert "actor a3 registered" not in _text(logs["learner"])
-            c.set_link("A3", True)
-            events["a3 joins"] = _step(run_dir)
-            _until(lambda: "actor a3 registered" in _text(logs["learner"]), 30, "a3 to register", [learner, a1, a3])
-            events["a3 registered"] = _step(run_dir)
-            assert events["a3 registered"] < steps - 2, f"the run nearly ended before a3 joined: {events}"
+            assert events["a1 re-registered"] < steps - 2, f"the run nearly ended before a1 came back: {events}"
 
             codes = wait_exit([learner, a1, a3], 180)
             events["end"] = _step(run_dir)
