@@ -327,7 +327,8 @@ class Cluster:
                   f"end=time.monotonic()+{timeout_s}\n"
                   "while True:\n"
                   "    try:\n"
-                  f"        c=socket.create_connection(({self.addr(b)!r}, {port}), timeout=1); sys.exit(0 if c.recv(2)==b'ok' else 1)\n"
+                  f"        c=socket.create_connection(({self.addr(b)!r}, {port}), timeout=1)\n"
+                  "        sys.exit(0 if c.recv(2)==b'ok' else 1)\n"
                   "    except OSError:\n"
                   "        if time.monotonic()>end: sys.exit(1)\n"
                   "        time.sleep(0.05)\n")

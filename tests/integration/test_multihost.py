@@ -62,6 +62,11 @@ def _text(path: str) -> str:
         return f.read()
 
 
+def _playing(log_path: str) -> bool:
+    """The actor holds weights (it plays leases from now on)."""
+    return "applied weights version" in _text(log_path)
+
+
 def _step(run_dir: str) -> int:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -111,7 +116,7 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
 
             # once a1 and a2 train: A1's link is cut and a2 leaves on SIGTERM.  No actor can feed
             # the learner now (a3 is still cut off), so the run waits for what follows
-            _until(lambda: _step(run_dir) >= 1 and all("applied weights version" in _text(logs[a]) for a in ("a1", "a2")),
+            _until(lambda: _step(run_dir) >= 1 and all(_playing(logs[a]) for a in ("a1", "a2")),
                    150, "the first step with a1 and a2 playing", [learner, a1, a2, a3])
             c.set_link("A1", False)
             events["A1 cut"] = _step(run_dir)
@@ -126,7 +131,7 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
             assert "actor a3 registered" not in _text(logs["learner"])
             c.set_link("A3", True)
             events["a3 joins"] = _step(run_dir)
-            _until(lambda: "actor a3 registered" in _text(logs["learner"]) and "applied weights version" in _text(logs["a3"]),
+            _until(lambda: "actor a3 registered" in _text(logs["learner"]) and _playing(logs["a3"]),
                    60, "a3 to register and load weights", [learner, a1, a3])
             events["a3 plays"] = _step(run_dir)
             c.set_link("A1", True)

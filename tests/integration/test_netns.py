@@ -143,7 +143,8 @@ def _gone(pid: int) -> bool:
 
 
 def test_teardown_leaves_nothing_even_when_the_body_raises():
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+                "time.sleep(120)")
     procs: list[subprocess.Popen] = []
     pids: list[int] = []
     with pytest.raises(RuntimeError, match="test body failed"):
