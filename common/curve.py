@@ -5,8 +5,12 @@ CURVE is on for that role (``enabled: auto`` decides by the address: on unless i
 loopback), else None.  ``CurveSetup.server()`` is what a socket that *binds and serves*
 uses, ``CurveSetup.client(server_public)`` what a socket that *connects* uses; a relay
 socket between actors uses the same: the serving actor ``actor_curve(...).server()``
-(its own key pair; start a ``protocol.curve.ZapAuthenticator`` on its context with an
-authorized folder), the pulling actor ``actor_curve(...).client(that actor's public key)``.
+(its own key pair), the pulling actor ``actor_curve(...).client(that actor's public key)``
+(``CurveSetup.public`` of the server, which it can announce).  Without a ZAP handler on
+the serving actor's context, ZeroMQ admits any CURVE client that knows the server's public
+key (encrypted, but clients are not authenticated); to authenticate them too, start a
+``protocol.curve.ZapAuthenticator`` on that context with a copy of the learner's
+authorized folder (every actor's public key).
 
 A missing or unreadable key file raises ``CurveConfigError`` (a ``conf.ConfigError``: the
 entry points print it and exit 2) naming the config key, the file and ``turnscale keys``.
@@ -79,11 +83,12 @@ def _insecure(role: str, key: str, host: str) -> None:
                 "can connect, read and send unauthenticated, unencrypted messages", role, key, host)
 
 
-def learner_curve(lc: LearnerConfig) -> CurveSetup | None:
-    """The learner's CURVE setup, or None when off (see the module docstring)."""
+def learner_curve(lc: LearnerConfig, *, warn: bool = True) -> CurveSetup | None:
+    """The learner's CURVE setup, or None when off (see the module docstring); ``warn``:
+    log the insecure choice (``enabled=false`` off loopback)."""
     c = lc.curve
     if not curve_on(c.enabled, lc.host):
-        if not is_loopback(lc.host):
+        if warn and not is_loopback(lc.host):
             _insecure("learner", "learner.curve.enabled", lc.host)
         return None
     public, secret = _secret(c.secret_key, "learner.curve.secret_key")
@@ -100,11 +105,11 @@ def learner_curve(lc: LearnerConfig) -> CurveSetup | None:
     return CurveSetup(public=public, secret=secret, authorized=c.authorized, secret_path=c.secret_key)
 
 
-def actor_curve(ac: ActorConfig) -> CurveSetup | None:
+def actor_curve(ac: ActorConfig, *, warn: bool = True) -> CurveSetup | None:
     """The actor's CURVE setup, or None when off (see the module docstring)."""
     c = ac.curve
     if not curve_on(c.enabled, ac.learner_host):
-        if not is_loopback(ac.learner_host):
+        if warn and not is_loopback(ac.learner_host):
             _insecure("actor", "actor.curve.enabled", ac.learner_host)
         return None
     public, secret = _secret(c.secret_key, "actor.curve.secret_key")

@@ -192,7 +192,7 @@ def main(argv: Iterable[str] | None = None, play: EnvPlay | None = None) -> int:
     from common.curve import learner_curve
 
     try:
-        learner_curve(cfg.learner)  # key files checked before the model is built
+        learner_curve(cfg.learner, warn=False)  # key files checked before the model is built; run() warns
     except conf.ConfigError as exc:
         print(f"turnscale learner: {exc}", file=sys.stderr)
         return 2
