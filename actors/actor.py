@@ -61,6 +61,16 @@ seconds:
 4. the session's tasks are cancelled, env instances closed on the server, the engine
    closed, sockets closed; ``run`` returns 0.
 
+CURVE (``curve``, from ``common.curve.actor_curve``): the three sockets to the learner
+use the actor's key pair and the learner's public key.  A monitor on the control socket
+(``handshakes``, for the whole session) watches every handshake: the learner refusing
+this actor's key (ZAP: not in ``learner.curve.authorized``) or CURVE on one side only
+(ZeroMQ's mechanism mismatch) ends the actor at once, and
+``actor.curve.max_handshake_failures`` failed handshakes in a row with no success between
+(a wrong ``actor.curve.server_key``) end it too; ``run`` then logs the reason and returns
+``EXIT_CURVE_REFUSED`` (3) instead of retrying forever in silence (ZeroMQ does not tell a
+client why its handshake failed, and a refused client gets no reply at all).
+
 Everything heavy (engine, weight pull, episode runner, env clients) is injected through
 ``ActorDeps`` so unit tests drive the same loop with fakes; ``actors.main`` wires the
 real ones.
@@ -74,7 +84,7 @@ import signal
 import socket as pysocket
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import trio
 import zmq
@@ -99,9 +109,15 @@ from protocol.messages import (
     WeightManifest,
     Welcome,
 )
-from protocol.transport import AsyncSocket, Requester, configure
+from protocol.transport import AsyncSocket, CurveKeys, Requester, configure
+
+if TYPE_CHECKING:
+    from common.curve import CurveSetup
 
 log = logging.getLogger("turnscale.actor")
+
+EXIT_CURVE_REFUSED = 3
+"""``Actor.run``'s exit code when the learner refuses this actor's CURVE handshake."""
 
 
 class EngineLike(Protocol):
@@ -159,6 +175,10 @@ class LearnerLost(Exception):
     """The learner stopped answering (or forgot us): end the session and reconnect."""
 
 
+class CurveRefused(Exception):
+    """The learner refused this actor's CURVE handshake (the message says why and what to fix)."""
+
+
 class LearnerStopped(LearnerLost):
     """The learner answered ``Shutdown``: the run is over (a graceful stop has begun)."""
 
@@ -176,6 +196,17 @@ class ActorStats:
     engine_rebuilds: int = 0
     torn_weights: int = 0
     """Swaps after which the engine's weights did not checksum to the pulled bytes."""
+
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in eg.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
 
 
 def default_actor_id() -> str:
@@ -206,6 +237,8 @@ class Actor:
     applied: tuple[str, int] | None = None
     """``(incarnation, version)`` of the weights the engine has applied; written only by the
     weight path (``_pull``; see the module docstring, "Weights")."""
+    curve: CurveSetup | None = None
+    """CURVE keys for the sockets to the learner (``common.curve.actor_curve``); None: plain TCP."""
     _ctx: zmq.Context | None = None
     _running: dict[str, trio.CancelScope] = field(default_factory=dict)
     _changed: trio.Event = field(default_factory=trio.Event)
@@ -215,17 +248,23 @@ class Actor:
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
-        """Run until a graceful stop; returns the process exit code (0)."""
+        """Run until a graceful stop; returns the process exit code (0, or
+        ``EXIT_CURVE_REFUSED`` when the learner refused the CURVE handshake)."""
         self._ctx = zmq.Context()
+        code = 0
         try:
             async with trio.open_nursery() as top:
                 top.start_soon(self._signals, name="signals")
                 await self._sessions()
                 top.cancel_scope.cancel()
+        except* CurveRefused as eg:
+            self.stop_reason = "CURVE refused"
+            log.error("%s", eg.exceptions[0])
+            code = EXIT_CURVE_REFUSED
         finally:
             await self._cleanup()
         log.info("actor %s stopped (%s): %s", self.actor_id, self.stop_reason or "done", self.stats)
-        return 0
+        return code
 
     def request_stop(self, reason: str, *, abandon: bool = False) -> None:
         """Start a graceful stop; ``abandon`` cancels running groups at once (the run is over)."""
@@ -277,9 +316,76 @@ class Actor:
             backoff = min(backoff * 2, self.cfg.reconnect_max_backoff_s)
 
     # ------------------------------------------------------------------ one session
+    def _keys(self) -> CurveKeys | None:
+        return self.curve.client() if self.curve is not None else None
+
     async def _session(self) -> None:
         assert self._ctx is not None
-        control = AsyncSocket(configure(self._ctx.socket(zmq.DEALER)))
+        control = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=self._keys()))
+        monitor = AsyncSocket(control.sock.get_monitor_socket(_HANDSHAKE_EVENTS))
+        try:
+            async with trio.open_nursery() as guard:
+                guard.start_soon(self._handshakes, monitor, name="handshakes")
+                await self._session_on(control)
+                guard.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:  # one failure (LearnerLost, CurveRefused): raise it as itself
+            leaves = _leaves(eg)
+            if len(leaves) == 1:
+                raise leaves[0] from None
+            raise
+        finally:
+            try:
+                control.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close()
+            control.close()
+
+    async def _handshakes(self, monitor: AsyncSocket) -> None:
+        """Watch the control socket's handshakes (see the module docstring, CURVE)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        where = f"{self.cfg.learner_host}:{self.cfg.learner_port}"
+        failures = 0
+        while True:
+            frames = await monitor.recv_multipart(copy=True)
+            try:
+                ev = parse_monitor_message(frames)
+            except Exception:  # a malformed monitor message: not ours to judge
+                continue
+            event = ev["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                failures = 0
+                continue
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                c = self.curve
+                pub = c.public.decode() if c is not None else "?"
+                raise CurveRefused(
+                    f"the learner at {where} refused this actor's CURVE key (actor.curve.secret_key={c.secret_path if c else ''}, "
+                    f"public key {pub}, ZAP status {ev.get('value')}): add its public key to the learner's "
+                    f"learner.curve.authorized folder")
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and ev.get("value") == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                raise CurveRefused(  # deterministic, and ZeroMQ does not try again
+                    f"the learner at {where} does not speak CURVE (learner.curve.enabled=false?) while this actor does "
+                    f"(actor.curve.enabled={self.cfg.curve.enabled})" if self.curve is not None else
+                    f"the learner at {where} requires CURVE and this actor has it off: set actor.curve.server_key and "
+                    f"actor.curve.secret_key (keys from `turnscale keys DIR`) and actor.curve.enabled=true")
+            failures += 1
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                why = f"handshake with the learner at {where} failed (ZMTP protocol error {ev.get('value')})"
+            elif self.curve is None:
+                why = (f"handshake with the learner at {where} failed: it probably requires CURVE; set actor.curve.server_key "
+                       f"and actor.curve.secret_key (keys from `turnscale keys DIR`) and actor.curve.enabled=true")
+            else:
+                why = (f"CURVE handshake with the learner at {where} failed: actor.curve.server_key="
+                       f"{self.curve.server_key_path if self.curve else ''} is probably not this learner's public key "
+                       f"(DIR/learner.key of the learner's `turnscale keys`)")
+            log.warning("%s (handshake failure %d of %d)", why, failures, self.cfg.curve.max_handshake_failures)
+            if failures >= self.cfg.curve.max_handshake_failures:
+                raise CurveRefused(f"{why}; giving up after {failures} failed handshakes")
+
+    async def _session_on(self, control: AsyncSocket) -> None:
+        assert self._ctx is not None
         control.sock.connect(f"tcp://{self.cfg.learner_host}:{self.cfg.learner_port}")
         req = Requester(control)
         sub = weights = None
@@ -289,10 +395,10 @@ class Actor:
             await self._adopt(welcome)
             pub_ep = _swap_host(welcome.pub_endpoint, self.cfg.learner_host)
             w_ep = _swap_host(welcome.weights_endpoint, self.cfg.learner_host)
-            sub = AsyncSocket(configure(self._ctx.socket(zmq.SUB)))
+            sub = AsyncSocket(configure(self._ctx.socket(zmq.SUB), curve=self._keys()))
             sub.sock.setsockopt(zmq.SUBSCRIBE, b"")
             sub.sock.connect(pub_ep)
-            weights = AsyncSocket(configure(self._ctx.socket(zmq.DEALER)))
+            weights = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=self._keys()))
             weights.sock.connect(w_ep)
             try:
                 with trio.fail_after(max(30.0, self.cfg.request_timeout_s)):
@@ -307,7 +413,7 @@ class Actor:
                 await self._goodbye(req)
                 n.cancel_scope.cancel()
         finally:
-            for s in (control, sub, weights):
+            for s in (sub, weights):
                 if s is not None:
                     s.close()
 

@@ -120,8 +120,12 @@ def new_receive_buffer() -> ReceiveBuffer:
 
 
 def build_actor(cfg: Config) -> Actor:
-    """The actor process's ``Actor`` with the real parts (see the module docstring)."""
+    """The actor process's ``Actor`` with the real parts (see the module docstring).
+    Raises ``common.curve.CurveConfigError`` when CURVE is on and a key file is wrong."""
     from actors.actor import Actor, ActorDeps, default_actor_id
+    from common.curve import actor_curve
+
+    curve = actor_curve(cfg.actor)
 
     # 1. config: the id is fixed here because the group player stamps it on every group
     actor_id = cfg.actor.actor_id or default_actor_id()
@@ -136,7 +140,8 @@ def build_actor(cfg: Config) -> Actor:
     # 3. env client factory, 4. weight pull
     deps = ActorDeps(make_runtime=make_runtime, make_env_client=env_client, pull=pull_into, new_buffer=new_receive_buffer)
     # 5. runtime: the actor loop (``Actor.run``) drives all of it
-    actor = Actor(cfg=cfg.actor, deps=deps, engine_name=cfg.engine.name, device=cfg.engine.device, actor_id=actor_id)
+    actor = Actor(cfg=cfg.actor, deps=deps, engine_name=cfg.engine.name, device=cfg.engine.device, actor_id=actor_id,
+                  curve=curve)
     return actor
 
 
@@ -153,5 +158,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     from common.procs import setup_process
 
     setup_process()
-    actor = build_actor(cfg)
+    try:
+        actor = build_actor(cfg)
+    except conf.ConfigError as exc:  # CURVE key files
+        print(f"turnscale actor: {exc}", file=sys.stderr)
+        return 2
     return trio.run(actor.run)

@@ -305,6 +305,57 @@ class LoggerConfig:
     """Seconds between progress lines."""
 
 
+CURVE_MODES = ("auto", "true", "false")
+
+
+def _curve_mode(value: object, key: str) -> str:
+    """``auto`` / ``true`` / ``false`` (YAML booleans and on/off/yes/no/1/0 accepted)."""
+    v = str(value).strip().lower()
+    v = {"on": "true", "yes": "true", "1": "true", "off": "false", "no": "false", "0": "false"}.get(v, v)
+    _require(v in CURVE_MODES, key, f"{value!r} is not one of auto, true, false")
+    return v
+
+
+@dataclass(kw_only=True)
+class LearnerCurveConfig:
+    """ZeroMQ CURVE (authentication + encryption) on the learner's three sockets.
+    Keys: ``turnscale keys DIR`` (README "Security and limits")."""
+
+    enabled: str = "auto"
+    """``auto``: on when ``learner.host`` is not a loopback address (127.0.0.0/8, ::1,
+    localhost), off on loopback; ``true``; ``false`` (on a non-loopback address an explicit,
+    logged, insecure choice)."""
+    secret_key: str = ""
+    """The learner's secret certificate (``DIR/learner.key_secret``)."""
+    authorized: str = ""
+    """Folder of the public certificates (``*.key``) of the actors allowed in
+    (``DIR/authorized``).  Required when CURVE is on: a client whose key is not there is
+    refused, even if it knows the learner's public key."""
+
+    def __post_init__(self) -> None:
+        self.enabled = _curve_mode(self.enabled, "learner.curve.enabled")
+
+
+@dataclass(kw_only=True)
+class ActorCurveConfig:
+    """CURVE on the actor's sockets to the learner (control, announcements, weights)."""
+
+    enabled: str = "auto"
+    """``auto``: on when ``actor.learner_host`` is not a loopback address; ``true``; ``false``."""
+    server_key: str = ""
+    """The learner's public certificate (``DIR/learner.key``)."""
+    secret_key: str = ""
+    """This actor's secret certificate (``DIR/actor-N.key_secret``); its public key must be
+    in the learner's ``learner.curve.authorized`` folder."""
+    max_handshake_failures: int = 3
+    """Failed CURVE handshakes with the learner (wrong server key, or a learner without
+    CURVE) after which the actor exits with code 3.  A refused key (not authorized) exits at once."""
+
+    def __post_init__(self) -> None:
+        self.enabled = _curve_mode(self.enabled, "actor.curve.enabled")
+        _require(self.max_handshake_failures >= 1, "actor.curve.max_handshake_failures", "must be >= 1")
+
+
 @dataclass(kw_only=True)
 class LearnerConfig:
     host: str = "127.0.0.1"
@@ -346,6 +397,8 @@ class LearnerConfig:
     debug_step_delay_s: float = 0.0
     """Tests and benchmarks only: sleep this long before every optimizer step (a slow learner,
     to exercise admission control and backpressure).  0 in real runs."""
+    curve: LearnerCurveConfig = field(default_factory=LearnerCurveConfig)
+    """CURVE on the learner's sockets (on by default off loopback)."""
 
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0, "learner.max_staleness", "must be >= 0")
@@ -377,6 +430,8 @@ class ActorConfig:
     that can: ``hf``); a mismatch (torn or corrupted weights) is counted as
     ``torn_weights``, logged, and the version pulled again.  Costs one checksum pass over
     the model per version (crc32c runs at memory-copy speed)."""
+    curve: ActorCurveConfig = field(default_factory=ActorCurveConfig)
+    """CURVE on the sockets to the learner (on by default when the learner is not on loopback)."""
 
 
 @dataclass(kw_only=True)

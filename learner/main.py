@@ -125,14 +125,20 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
             logger.close()
         return 0
     schedule = TurnSchedule.from_config(cfg.schedule)
-    publisher = WeightPublisher(tcp_endpoint(lc.host, lc.weights_port), chunk_mb=lc.chunk_mb, dtype=lc.transfer_dtype)
+    ctx, auth, curve = _curve_context(cfg)
+    try:
+        publisher = WeightPublisher(tcp_endpoint(lc.host, lc.weights_port), chunk_mb=lc.chunk_mb, dtype=lc.transfer_dtype,
+                                    context=ctx, curve=curve)
+    except BaseException:
+        _close_context(ctx, auth)
+        raise
     logger = make_logger(cfg.logger, lc.dir)
     trajlog = TrajectoryLog(lc.dir, decode=trainer.tokenizer.decode) if lc.save_trajectories else NullTrajectoryLog()
     parts = ServiceParts(
         trainer=trainer, publisher=publisher, weights=lambda: trainer.state_dict_for_publish(lc.transfer_dtype),
         schedule=schedule, checkpointer=TrainerCheckpointer(trainer, os.path.join(lc.dir, "checkpoints"), schedule, lc.keep_checkpoints),
         logger=logger, trajlog=trajlog, model_path=model_path,
-        vocab_size=int(trainer.hf_model.get_input_embeddings().num_embeddings),
+        vocab_size=int(trainer.hf_model.get_input_embeddings().num_embeddings), curve=curve, context=ctx,
     )
     service = LearnerService(cfg, parts)
     try:
@@ -146,7 +152,33 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
         publisher.close()
         logger.close()
         trajlog.close()
+        _close_context(ctx, auth)
     return 0
+
+
+def _curve_context(cfg: Config) -> tuple[Any, Any, Any]:
+    """``(zmq context, ZAP authenticator or None, CURVE server keys or None)`` for the
+    learner's sockets: with CURVE on, every socket serves CURVE and the authenticator
+    (its own thread, on this one context) admits only the keys in ``learner.curve.authorized``."""
+    import zmq
+
+    from common.curve import learner_curve
+    from protocol.curve import ZapAuthenticator
+
+    setup = learner_curve(cfg.learner)  # CurveConfigError (exit 2) before anything binds
+    ctx = zmq.Context()
+    if setup is None:
+        return ctx, None, None
+    auth = ZapAuthenticator(ctx, setup.authorized, log, what="learner's sockets")
+    log.info("CURVE on: learner key %s, %d authorized actor key(s) in %s", setup.public.decode(),
+             len(auth.provider.keys), setup.authorized)
+    return ctx, auth, setup.server()
+
+
+def _close_context(ctx: Any, auth: Any) -> None:
+    if auth is not None:
+        auth.stop()
+    ctx.destroy(linger=0)
 
 
 async def _stop_on_signal(scope: Any, service: Any) -> None:
@@ -172,6 +204,13 @@ def main(argv: Iterable[str] | None = None, play: EnvPlay | None = None) -> int:
 
     try:
         cfg = conf.load(list(sys.argv[1:] if argv is None else argv))
+    except conf.ConfigError as exc:
+        print(f"turnscale learner: {exc}", file=sys.stderr)
+        return 2
+    from common.curve import learner_curve
+
+    try:
+        learner_curve(cfg.learner, warn=False)  # key files checked before the model is built; run() warns
     except conf.ConfigError as exc:
         print(f"turnscale learner: {exc}", file=sys.stderr)
         return 2

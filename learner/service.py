@@ -96,7 +96,7 @@ from protocol.messages import (
     WeightManifest,
     Welcome,
 )
-from protocol.transport import AsyncSocket, SocketLimits, configure, split_router_frames, tcp_endpoint
+from protocol.transport import AsyncSocket, CurveKeys, SocketLimits, configure, split_router_frames, tcp_endpoint
 
 log = logging.getLogger("turnscale.learner")
 
@@ -140,6 +140,12 @@ class ServiceParts:
     model_path: str = ""
     vocab_size: int = 0
     """Rows of the model's input embedding: received token ids must be below it (0: unchecked)."""
+    curve: CurveKeys | None = None
+    """CURVE server keys for the control ROUTER and the PUB (``common.curve.learner_curve(...).server()``);
+    None: plain TCP.  Clients are checked by the ZAP authenticator running on ``context``."""
+    context: zmq.Context | None = None
+    """The ZeroMQ context to open the sockets on (the one the ZAP authenticator serves);
+    None: the service makes (and terminates) its own."""
 
 
 class LearnerService:
@@ -234,18 +240,21 @@ class LearnerService:
     # ------------------------------------------------------------------ serve
     async def serve(self) -> None:
         lc = self.cfg.learner
-        self._ctx = zmq.Context()
+        own_ctx = self.parts.context is None
+        self._ctx = zmq.Context() if own_ctx else self.parts.context
+        curve = self.parts.curve
         router = AsyncSocket(configure(self._ctx.socket(zmq.ROUTER), SocketLimits(max_message_bytes=self._limits.max_message_bytes),
-                                       server=True))
+                                       curve, server=True))
         router.sock.bind(tcp_endpoint(lc.host, lc.port))
-        pub = configure(self._ctx.socket(zmq.PUB), server=True)
+        pub = configure(self._ctx.socket(zmq.PUB), curve=curve, server=True)
         pub.bind(tcp_endpoint(lc.host, lc.pub_port))
         self._pub = AsyncSocket(pub)
         try:
             await self._publish_weights(self.version)
             self.ready.set()
-            log.info("learner %s ready: control %s, version %d, step %d/%d", self.run_id,
-                     tcp_endpoint(lc.host, lc.port), self.version, self.step, lc.steps)
+            log.info("learner %s ready: control %s (%s), version %d, step %d/%d", self.run_id,
+                     tcp_endpoint(lc.host, lc.port), "CURVE" if curve is not None else "plain TCP, no CURVE",
+                     self.version, self.step, lc.steps)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._control_loop, router, name="control")
                 nursery.start_soon(self._announce_loop, name="announce")
@@ -256,7 +265,8 @@ class LearnerService:
         finally:
             router.close()
             self._pub.close()
-            self._ctx.term()
+            if own_ctx:
+                self._ctx.term()
 
     async def _publish_weights(self, version: int) -> None:
         self.publishing = True

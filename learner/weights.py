@@ -38,7 +38,7 @@ from protocol import checksums, codec
 from protocol.dtypes import torch_dtype
 from protocol.errors import ProtocolError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.transport import SocketLimits, configure, split_router_frames
+from protocol.transport import CurveKeys, SocketLimits, configure, split_router_frames
 from protocol.weights import build_manifest, layout, write_tensors
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class WeightPublisher:
 
     def __init__(self, endpoint: str, *, chunk_mb: float = 32.0, dtype: str = "bfloat16", keep: int = 2,
                  context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(), poll_ms: int = 100,
-                 checksum_algo: str | None = None) -> None:
+                 checksum_algo: str | None = None, curve: CurveKeys | None = None) -> None:
         if chunk_mb <= 0:
             raise ValueError(f"chunk_mb must be > 0, got {chunk_mb}")
         if keep < 1:
@@ -77,7 +77,7 @@ class WeightPublisher:
         self._poll_ms = poll_ms
         self.served_chunks = 0
         self.bad_requests = 0
-        self._sock = configure(self._ctx.socket(zmq.ROUTER), limits, server=True)
+        self._sock = configure(self._ctx.socket(zmq.ROUTER), limits, curve, server=True)  # CURVE: ZAP runs on context
         if endpoint.endswith(":0"):
             port = self._sock.bind_to_random_port(endpoint[: endpoint.rindex(":")])
             endpoint = f"{endpoint[: endpoint.rindex(':')]}:{port}"
