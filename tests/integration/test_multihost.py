@@ -3,7 +3,8 @@ address), a BabyAI envhub on host E (the learner announces E's address), actors 
 with the tiny model.  Mid-run one actor host's link is cut while another actor leaves on
 SIGTERM; an actor joins late (it booted behind a cut link); the cut link is restored: the run completes
 every step, the cut actor re-registers and trains again, the late one trains, every process
-exits 0, and teardown leaves no namespace, link or process behind.
+exits 0, and teardown leaves no namespace, link or process behind.  CURVE is on (``enabled=auto``
+is on for the namespaces' non-loopback addresses), as a user off loopback gets it.
 Needs root; skips with the reason elsewhere."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import pytest
 
 from cluster.netns import Cluster, available, leftovers
+from tests.integration.curvekeys import curve_overrides, make_keys
 from tests.integration.test_learner_e2e import TINY, read_jsonl, wait_exit
 
 _ok, _why = available()
@@ -26,10 +28,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV_PORT = 8301  # every fake host has its own ports: fixed numbers are free
 
 
-def curve_overrides(tmp_path) -> list[str]:
-    """The CURVE settings every role gets (keys under ``tmp_path``).  Empty until CURVE is on by
-    default for non-loopback binds (branch ``curve``); switch it on here at that merge."""
-    return []
+def curve_for(tmp_path, role: str, actor: int = 0) -> list[str]:
+    """CURVE for ``role`` with keys under ``tmp_path`` (made once): ``enabled=auto``, which is on
+    here because the fake hosts' addresses are not loopback (the default a user gets)."""
+    keys = tmp_path / "keys"
+    if not keys.exists():
+        make_keys(str(keys), actors=3)
+    return curve_overrides(str(keys), role, actor=actor or 1, enabled="auto")
 
 
 def spawn_role(c: Cluster, host: str, args: list[str], log_path: str) -> subprocess.Popen:
@@ -101,17 +106,16 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
                       "algo.lr=1e-3", "learner.groups_per_step=2", "learner.max_staleness=2", f"learner.dir={run_dir}",
                       "learner.checkpoint_every=1000", "learner.heartbeat_interval_s=1", "learner.lease_ttl_s=15",
                       "logger.tensorboard=false", "logger.console_every_s=0", "actor.max_groups=1",
-                      "actor.request_timeout_s=3", "actor.reconnect_max_backoff_s=1", "actor.shutdown_grace_s=5",
-                      *curve_overrides(tmp_path)]
+                      "actor.request_timeout_s=3", "actor.reconnect_max_backoff_s=1", "actor.shutdown_grace_s=5"]
             envhub = spawn_role(c, "E", ["envhub", "env=babyai", f"host={c.addr('E')}", f"port={ENV_PORT}"],
                                 logs["envhub"])
-            learner = spawn_role(c, "L", ["learner", *common, f"learner.steps={steps}",
+            learner = spawn_role(c, "L", ["learner", *common, *curve_for(tmp_path, "learner"), f"learner.steps={steps}",
                                           "learner.debug_step_delay_s=1.0"], logs["learner"])
-            a1 = spawn_role(c, "A1", ["actor", *common, "actor.actor_id=a1"], logs["a1"])
-            a2 = spawn_role(c, "A2", ["actor", *common, "actor.actor_id=a2"], logs["a2"])
+            a1 = spawn_role(c, "A1", ["actor", *common, *curve_for(tmp_path, "actor", 1), "actor.actor_id=a1"], logs["a1"])
+            a2 = spawn_role(c, "A2", ["actor", *common, *curve_for(tmp_path, "actor", 2), "actor.actor_id=a2"], logs["a2"])
             # a3 starts with its host cut off, so it boots now but can only join once its link is up
             c.set_link("A3", False)
-            a3 = spawn_role(c, "A3", ["actor", *common, "actor.actor_id=a3"], logs["a3"])
+            a3 = spawn_role(c, "A3", ["actor", *common, *curve_for(tmp_path, "actor", 3), "actor.actor_id=a3"], logs["a3"])
             wait_healthy_in(c, "A1", env_url, envhub, 60)  # E's address, as the actors reach it
 
             # once a1 and a2 train: A1's link is cut and a2 leaves on SIGTERM.  No actor can feed
@@ -157,6 +161,8 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
             learner_log = _text(logs["learner"])
             for a in ("a1", "a2", "a3"):
                 assert f"actor {a} registered" in learner_log
+            # CURVE is on by default off loopback: every connection above was authenticated
+            assert "CURVE on:" in learner_log and "INSECURE" not in learner_log
             prefix = c.prefix
         assert not leftovers(prefix), leftovers(prefix)
         assert all(p.poll() is not None for p in c.procs)
