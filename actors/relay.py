@@ -1,0 +1,162 @@
+"""An actor's chunk server: serves the weight chunks this actor has already verified to
+other actors (the relay tree, ``learner.relay`` and docs/ARCHITECTURE.md "Weight fan-out").
+
+Same wire as the learner's weights ROUTER (``learner/weights.py``): frames in are
+``[identity, request_id, *WeightChunkRequest]``, frames out ``[identity, request_id,
+*WeightChunk]`` (data its own frame) or ``[identity, request_id, *ErrorReply]``.  A
+chunk this relay does not hold (yet) is answered ``ErrorReply(code="not_yet",
+retryable=True)``: its own pull may still be on the way, so the asker retries a little
+later, and after its patience runs out asks its next source (ultimately the learner).
+
+Safety (the receive buffers' ordering contract, ``actors/actor.py`` "Weights"):
+
+- a buffer is registered (``begin``) for version v *before* a pull writes into it; any
+  earlier registration of that buffer is withdrawn at that moment, under the lock the
+  serving thread holds through each send, so no chunk of an older version is ever read
+  from a buffer being overwritten;
+- a chunk is served only after the pull has verified it against the manifest checksum
+  (``mark``); the pull never writes a verified chunk again (late replies are dropped);
+- sends copy the chunk into the ZeroMQ message under the lock (``copy=True``), so no
+  reply references the buffer after the lock is released.
+
+The asker verifies every chunk's checksum regardless of source (``actors/weight_sync.py``),
+so a relay serving wrong bytes costs a re-fetch from elsewhere, never a wrong version.
+
+``corrupt=True`` flips one byte of every chunk it serves (tests only: it is how the
+checksum refusal is exercised end to end; ``actors.main`` sets it from
+``TURNSCALE_TEST_RELAY_CORRUPT=1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import numpy as np
+import zmq
+
+from protocol import codec
+from protocol.errors import ProtocolError
+from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from protocol.transport import CurveKeys, SocketLimits, configure, split_router_frames
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    manifest: WeightManifest
+    buf: np.ndarray
+    verified: np.ndarray  # bool per chunk
+
+
+class RelayServer:
+    """Serves verified chunks of the versions held in registered receive buffers on a
+    ROUTER bound at ``endpoint`` (port 0 picks a free one; see ``self.endpoint``)."""
+
+    def __init__(self, endpoint: str, *, context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(),
+                 curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._held: dict[Hashable, _Held] = {}
+        self._stop = threading.Event()
+        self._poll_ms = poll_ms
+        self.corrupt = corrupt
+        self.served_chunks = 0
+        self.served_bytes = 0
+        self.not_yet = 0
+        self._sock = configure(self._ctx.socket(zmq.ROUTER), limits, curve, server=True)
+        if endpoint.endswith(":0"):
+            port = self._sock.bind_to_random_port(endpoint[: endpoint.rindex(":")])
+            endpoint = f"{endpoint[: endpoint.rindex(':')]}:{port}"
+        else:
+            self._sock.bind(endpoint)
+        self.endpoint = endpoint
+        self._thread = threading.Thread(target=self._serve, name="relay-router", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ puller side
+    def begin(self, key: Hashable, manifest: WeightManifest, buf: np.ndarray) -> None:
+        """``buf`` (known as ``key``) is about to receive ``manifest``'s version: withdraw what
+        it held and serve its chunks as they are ``mark``-ed."""
+        with self._lock:
+            self._held[key] = _Held(manifest, buf, np.zeros(len(manifest.chunks), dtype=bool))
+
+    def mark(self, key: Hashable, index: int) -> None:
+        """Chunk ``index`` of ``key``'s version is in its buffer and verified."""
+        with self._lock:
+            h = self._held.get(key)
+            if h is not None:
+                h.verified[index] = True
+
+    def withdraw(self, key: Hashable) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+
+    def holds(self) -> dict[Hashable, tuple[int, int]]:
+        """key -> (version, verified chunks), for tests and metrics."""
+        with self._lock:
+            return {k: (h.manifest.version, int(h.verified.sum())) for k, h in self._held.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+
+    def __enter__(self) -> "RelayServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ serving thread
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(self._poll_ms):
+                    continue
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._answer(frames)
+            except zmq.ZMQError as exc:
+                if self._stop.is_set() or exc.errno == zmq.ETERM:
+                    return
+                log.exception("relay ROUTER error; continuing")
+            except Exception:
+                log.exception("relay ROUTER: unexpected error answering a request")
+
+    def _answer(self, frames: list) -> None:
+        try:
+            prefix, body = split_router_frames(frames)
+            req = codec.decode(body, expect=WeightChunkRequest)
+        except ProtocolError as exc:
+            if len(frames) >= 2:
+                self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *codec.encode(
+                    ErrorReply(code="bad_message", message=f"expected a WeightChunkRequest: {exc}"))])
+            return
+        with self._lock:  # held through the send: a buffer is never re-registered mid-send
+            for h in self._held.values():
+                if h.manifest.version == req.version and 0 <= req.index < len(h.verified) and h.verified[req.index]:
+                    c = h.manifest.chunks[req.index]
+                    data = h.buf[c.offset:c.offset + c.nbytes]
+                    if self.corrupt and c.nbytes:
+                        data = data.copy()
+                        data[0] ^= 0xFF
+                    msg = WeightChunk(version=req.version, index=c.index, checksum=c.checksum, data=data)
+                    self._sock.send_multipart([*prefix, *codec.encode(msg, out_of_band_bytes=0)], copy=True)
+                    self.served_chunks += 1
+                    self.served_bytes += c.nbytes
+                    return
+            self.not_yet += 1
+        self._sock.send_multipart([*prefix, *codec.encode(ErrorReply(
+            code="not_yet", message=f"this relay does not hold chunk {req.index} of version {req.version} (yet)",
+            retryable=True))])
