@@ -115,9 +115,12 @@ class EngineLike(Protocol):
     def close(self) -> None: ...
 
 
-PullFn = Callable[[AsyncSocket, WeightManifest, float, Any], Awaitable[Any]]
-"""``pull(weights_sock, manifest, timeout_s, buffer) -> named tensors`` (checksums verified),
-received into ``buffer`` (one of ``ActorDeps.new_buffer()``'s, free for this pull)."""
+PullFn = Callable[..., Awaitable[Any]]
+"""``pull(weights_sock, manifest, timeout_s, buffer, **relay) -> named tensors`` (checksums
+verified), received into ``buffer`` (one of ``ActorDeps.new_buffer()``'s, free for this
+pull).  ``relay`` (only when this actor has relays to ask or serves one): ``relays`` (sockets
+asked before ``weights_sock``, nearest first), ``on_chunk(i)`` (chunk ``i`` verified) and
+``report`` (``actors.weight_sync.PullReport``), as ``actors.weight_sync.pull_weights``."""
 
 PlayGroupFn = Callable[[Lease, list[PooledSession]], Awaitable[TrajectoryGroup]]
 """Plays one lease's episodes on the given sessions (one per episode) -> the group."""
@@ -133,6 +136,9 @@ class ActorDeps:
     """``(url, flavor) -> client``; the flavor is the learner's ``EnvEndpoint.flavor``."""
     new_buffer: Callable[[], Any] = lambda: None
     """A receive buffer for ``pull`` (the actor makes two); None lets ``pull`` allocate."""
+    relay: Any = None
+    """This actor's ``RelayServer`` (``actors/relay.py``; serves its verified chunks to other
+    actors, advertised in ``Hello.relay_endpoint``), or None.  Closed with the actor."""
 
 
 @dataclass
@@ -176,6 +182,10 @@ class ActorStats:
     engine_rebuilds: int = 0
     torn_weights: int = 0
     """Swaps after which the engine's weights did not checksum to the pulled bytes."""
+    weight_chunks_from_relays: int = 0
+    weight_chunks_from_learner: int = 0
+    weight_relay_fallbacks: int = 0
+    """Chunks a relay failed (dead, slow, refusing, corrupt) that were fetched elsewhere."""
 
 
 def default_actor_id() -> str:
@@ -212,6 +222,10 @@ class Actor:
     _slots: list[_BufferSlot] = field(default_factory=list)
     _token: str = field(default_factory=lambda: os.urandom(8).hex())
     """This process's ``Hello.token`` (keeps its actor id across reconnects)."""
+    sources: list[str] = field(default_factory=list)
+    """Relays to ask for weight chunks before the learner (``Welcome``/``HeartbeatAck.weight_sources``)."""
+    _relay_socks: dict[str, AsyncSocket] = field(default_factory=dict)
+    """This session's DEALERs to ``sources`` (closed with the session)."""
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
@@ -254,6 +268,8 @@ class Actor:
                     await pool.close()
         if self.runtime is not None:
             self.runtime.engine.close()
+        if self.deps.relay is not None:
+            self.deps.relay.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
 
@@ -307,13 +323,16 @@ class Actor:
                 await self._goodbye(req)
                 n.cancel_scope.cancel()
         finally:
-            for s in (control, sub, weights):
+            for s in (control, sub, weights, *self._relay_socks.values()):
                 if s is not None:
                     s.close()
+            self._relay_socks.clear()
 
     async def _hello(self, req: Requester) -> Welcome:
+        relay = self.deps.relay
         hello = Hello(actor_id=self.actor_id, host=pysocket.gethostname(), pid=os.getpid(), engine=self.engine_name,
-                      device=self.device, max_groups=self.cfg.max_groups, token=self._token)
+                      device=self.device, max_groups=self.cfg.max_groups, token=self._token,
+                      relay_endpoint=relay.endpoint if relay is not None else "")
         backoff = 0.2
         while True:
             try:
@@ -344,6 +363,7 @@ class Actor:
                 url = self.cfg.env_url or ep.url
                 self.pools[ep.name] = EnvPool(self.deps.make_env_client(url, ep.flavor))
         self.target = welcome.policy
+        self.sources = list(welcome.weight_sources)
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
@@ -483,6 +503,7 @@ class Actor:
                 ack = await self._request(req, hb, HeartbeatAck)
             except LearnerStopped:
                 return  # the lease loop ends the session (goodbye)
+            self.sources = list(ack.weight_sources)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)
                 if scope is not None:
@@ -542,7 +563,31 @@ class Actor:
         assert policy.manifest is not None
         t0 = time.monotonic()
         slot = await self._free_slot()
-        tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s), slot.buffer)
+        relay, key = self.deps.relay, id(slot)
+        kw: dict[str, Any] = {}
+        if self.sources:
+            kw["relays"] = [self._relay_sock(ep) for ep in self.sources]
+        if relay is not None and slot.buffer is not None:
+            # before any byte lands in the buffer: its old version is withdrawn from the relay,
+            # and the new one is served chunk by chunk as each is verified (actors/relay.py)
+            relay.begin(key, policy.manifest, slot.buffer.take(policy.manifest.total_bytes))
+            kw["on_chunk"] = lambda i: relay.mark(key, i)
+        report = None
+        if kw:
+            from actors.weight_sync import PullReport
+
+            kw["report"] = report = PullReport()
+        try:
+            tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s), slot.buffer, **kw)
+        except BaseException:
+            if relay is not None:
+                relay.withdraw(key)
+            raise
+        finally:
+            if report is not None:
+                self.stats.weight_chunks_from_relays += report.from_relays
+                self.stats.weight_chunks_from_learner += report.from_learner
+                self.stats.weight_relay_fallbacks += report.fallbacks
         engine = self.runtime.engine
         slot.swap = engine.load_weights(policy.version, tensors)  # the engine owns them until released
         try:
@@ -557,6 +602,15 @@ class Actor:
         self.stats.weight_pull_s += time.monotonic() - t0
         log.info("applied weights version %d in %.2fs", policy.version, time.monotonic() - t0)
         self._poke()
+
+    def _relay_sock(self, endpoint: str) -> AsyncSocket:
+        """This session's DEALER to another actor's relay (made on first use)."""
+        assert self._ctx is not None
+        s = self._relay_socks.get(endpoint)
+        if s is None:
+            s = self._relay_socks[endpoint] = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=None))
+            s.sock.connect(endpoint)
+        return s
 
     async def _verify(self, engine: EngineLike, tensors: Any, manifest: WeightManifest) -> None:
         """Checksum the engine's weights against the pulled bytes (engines that can read them back)."""
