@@ -6,7 +6,10 @@ Same wire as the learner's weights ROUTER (``learner/weights.py``): frames in ar
 *WeightChunk]`` (data its own frame) or ``[identity, request_id, *ErrorReply]``.  A
 chunk this relay does not hold (yet) is answered ``ErrorReply(code="not_yet",
 retryable=True)``: its own pull may still be on the way, so the asker retries a little
-later, and after its patience runs out asks its next source (ultimately the learner).
+later, and after its patience runs out asks its next source (ultimately the learner).  A
+version older than the newest this relay has begun to pull, and no longer held, will not
+come: ``ErrorReply(code="unknown_version")`` sends the asker to its next source at once
+(an actor skips versions when a newer one is announced before it pulls).
 
 Safety (the receive buffers' ordering contract, ``actors/actor.py`` "Weights"):
 
@@ -67,6 +70,8 @@ class RelayServer:
         self.served_chunks = 0
         self.served_bytes = 0
         self.not_yet = 0
+        self.newest = -1
+        """The newest version ``begin`` has seen."""
         self._sock = configure(self._ctx.socket(zmq.ROUTER), limits, curve, server=True)
         if endpoint.endswith(":0"):
             port = self._sock.bind_to_random_port(endpoint[: endpoint.rindex(":")])
@@ -83,6 +88,7 @@ class RelayServer:
         it held and serve its chunks as they are ``mark``-ed."""
         with self._lock:
             self._held[key] = _Held(manifest, buf, np.zeros(len(manifest.chunks), dtype=bool))
+            self.newest = max(self.newest, manifest.version)
 
     def mark(self, key: Hashable, index: int) -> None:
         """Chunk ``index`` of ``key``'s version is in its buffer and verified."""
@@ -156,7 +162,12 @@ class RelayServer:
                     self.served_chunks += 1
                     self.served_bytes += c.nbytes
                     return
-            self.not_yet += 1
-        self._sock.send_multipart([*prefix, *codec.encode(ErrorReply(
-            code="not_yet", message=f"this relay does not hold chunk {req.index} of version {req.version} (yet)",
-            retryable=True))])
+            gone = req.version < self.newest and all(h.manifest.version != req.version for h in self._held.values())
+            self.not_yet += not gone
+        if gone:
+            err = ErrorReply(code="unknown_version", message=f"this relay holds no version {req.version} and never "
+                             f"will (it has moved on to {self.newest}); ask the next source")
+        else:
+            err = ErrorReply(code="not_yet", retryable=True,
+                             message=f"this relay does not hold chunk {req.index} of version {req.version} (yet)")
+        self._sock.send_multipart([*prefix, *codec.encode(err)])

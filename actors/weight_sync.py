@@ -85,7 +85,7 @@ class _Pull:
     weights endpoint; the ones before it are relays, asked first in order."""
 
     def __init__(self, socks: list[AsyncSocket], manifest: WeightManifest, buf: np.ndarray, timeout_s: float,
-                 window: int, max_retries: int, *, relay_timeout_s: float = 2.0, relay_patience_s: float = 10.0,
+                 window: int, max_retries: int, *, relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
                  on_chunk: Callable[[int], None] | None = None) -> None:
         self.socks = socks
         self.m = manifest
@@ -336,7 +336,7 @@ class PullReport:
 
 async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                        max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
-                       relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 2.0, relay_patience_s: float = 10.0,
+                       relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
                        on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> dict[str, torch.Tensor]:
     """Pull every chunk of ``manifest`` (see the module docstring); returns name -> tensor
     in the manifest's dtypes and shapes.  ``relays`` are asked first, in order; ``sock``
