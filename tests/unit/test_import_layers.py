@@ -28,9 +28,10 @@ BOTTOM = ("protocol", "conf")
 SHARED = ("common",)
 ROLES = ("envhub", "actors", "learner")
 TOP = ("turnscale", "benchmarks")
-PACKAGES = (*BOTTOM, *SHARED, *ROLES, *TOP)
+TOOLS = ("cluster",)  # the test cluster (network namespaces): standard library only
+PACKAGES = (*BOTTOM, *SHARED, *ROLES, *TOP, *TOOLS)
 
-LAYER = {**{p: "bottom" for p in BOTTOM}, **{p: "shared" for p in SHARED}, **{p: "role" for p in ROLES}, **{p: "top" for p in TOP}, "tests": "tests"}
+LAYER = {**{p: "bottom" for p in BOTTOM}, **{p: "shared" for p in SHARED}, **{p: "role" for p in ROLES}, **{p: "top" for p in TOP}, **{p: "tools" for p in TOOLS}, "tests": "tests"}
 
 ALLOWED: dict[str, frozenset[str]] = {
     # the bottom: the wire protocol and the config schema stand alone (neither imports the other)
@@ -44,7 +45,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "turnscale": frozenset((*BOTTOM, *SHARED, *ROLES, "benchmarks")),
     # the benchmarks drive the roles; they import no application module (so the top layer has
     # no cycle), they only launch its processes (below)
-    "benchmarks": frozenset((*BOTTOM, *SHARED, *ROLES)),
+    "benchmarks": frozenset((*BOTTOM, *SHARED, *ROLES, *TOOLS)),
+    # the test cluster stands alone (the benchmarks and tests use it; no role does)
+    "cluster": frozenset(),
 }
 
 LAUNCH_ALLOWED: dict[str, frozenset[str]] = {
