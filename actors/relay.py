@@ -5,8 +5,9 @@ Same wire as the learner's weights ROUTER (``learner/weights.py``): frames in ar
 ``[identity, request_id, *WeightChunkRequest]``, frames out ``[identity, request_id,
 *WeightChunk]`` (data its own frame) or ``[identity, request_id, *ErrorReply]``.  A
 chunk this relay does not hold (yet) is answered ``ErrorReply(code="not_yet",
-retryable=True)``: its own pull may still be on the way, so the asker retries a little
-later, and after its patience runs out asks its next source (ultimately the learner).  A
+retryable=True)`` after holding the request up to ``hold_s`` (answered the moment the
+chunk is verified, so a pipelined child is one chunk behind its parent without polling):
+its own pull may still be on the way, so the asker retries a little later, and after its patience runs out asks its next source (ultimately the learner).  A
 version older than the newest this relay has begun to pull, and no longer held, will not
 come: ``ErrorReply(code="unknown_version")`` sends the asker to its next source at once
 (an actor skips versions when a newer one is announced before it pulls).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -60,10 +62,23 @@ class RelayServer:
     ROUTER bound at ``endpoint`` (port 0 picks a free one; see ``self.endpoint``)."""
 
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(),
-                 curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False) -> None:
+                 curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False, hold_s: float = 0.5) -> None:
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._held: dict[Hashable, _Held] = {}
+        self.hold_s = hold_s
+        """A request for a chunk not verified yet is held this long (answered as soon as it is)
+        before ``not_yet``: a pipelined child gets each chunk one hop after its parent does,
+        without polling."""
+        self._pending: list[tuple[float, list, WeightChunkRequest]] = []  # (deadline, prefix, request): serving thread only
+        self._wanted = False  # some request is held: mark() wakes the serving thread
+        wake = f"inproc://relay-wake-{id(self):x}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)  # used by the serving thread only
+        self._wake_rx.bind(wake)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)  # used by mark()'s caller (the puller's thread) only
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.setsockopt(zmq.SNDHWM, 4)
+        self._wake_tx.connect(wake)
         self._stop = threading.Event()
         self._poll_ms = poll_ms
         self.corrupt = corrupt
@@ -96,6 +111,12 @@ class RelayServer:
             h = self._held.get(key)
             if h is not None:
                 h.verified[index] = True
+            wanted = self._wanted
+        if wanted:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already queued (or we are closing): the thread will look anyway
 
     def withdraw(self, key: Hashable) -> None:
         with self._lock:
@@ -110,8 +131,9 @@ class RelayServer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
-        if not self._sock.closed:
-            self._sock.close(linger=0)
+        for sock in (self._sock, self._wake_rx, self._wake_tx):
+            if not sock.closed:
+                sock.close(linger=0)
 
     def __enter__(self) -> "RelayServer":
         return self
@@ -123,22 +145,42 @@ class RelayServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not poller.poll(self._poll_ms):
-                    continue
-                while True:
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._answer(frames)
+                timeout = self._poll_ms
+                if self._pending:
+                    timeout = max(0, min(timeout, int((min(d for d, _, _ in self._pending) - time.monotonic()) * 1000) + 1))
+                ready = dict(poller.poll(timeout))
+                if self._wake_rx in ready:
+                    while True:
+                        try:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                if self._pending:
+                    self._retry_pending()
+                if self._sock in ready:
+                    while True:
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._answer(frames)
             except zmq.ZMQError as exc:
                 if self._stop.is_set() or exc.errno == zmq.ETERM:
                     return
                 log.exception("relay ROUTER error; continuing")
             except Exception:
                 log.exception("relay ROUTER: unexpected error answering a request")
+
+    def _retry_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        now = time.monotonic()
+        for deadline, prefix, req in pending:
+            self._reply(prefix, req, hold=deadline > now, deadline=deadline)
+        with self._lock:
+            self._wanted = bool(self._pending)
 
     def _answer(self, frames: list) -> None:
         try:
@@ -149,6 +191,11 @@ class RelayServer:
                 self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *codec.encode(
                     ErrorReply(code="bad_message", message=f"expected a WeightChunkRequest: {exc}"))])
             return
+        self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s)
+
+    def _reply(self, prefix: list, req: WeightChunkRequest, *, hold: bool, deadline: float) -> None:
+        """Send the chunk if held and verified; else hold the request (until ``deadline``),
+        or answer ``not_yet`` / ``unknown_version``."""
         with self._lock:  # held through the send: a buffer is never re-registered mid-send
             for h in self._held.values():
                 if h.manifest.version == req.version and 0 <= req.index < len(h.verified) and h.verified[req.index]:
@@ -163,6 +210,10 @@ class RelayServer:
                     self.served_bytes += c.nbytes
                     return
             gone = req.version < self.newest and all(h.manifest.version != req.version for h in self._held.values())
+            if hold and not gone:
+                self._pending.append((deadline, prefix, req))
+                self._wanted = True
+                return
             self.not_yet += not gone
         if gone:
             err = ErrorReply(code="unknown_version", message=f"this relay holds no version {req.version} and never "
