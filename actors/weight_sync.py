@@ -36,10 +36,9 @@ from __future__ import annotations
 import struct
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
 import trio
 import zmq
 
@@ -48,6 +47,9 @@ from protocol import weights as weights_protocol
 from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.transport import AsyncSocket
+
+if TYPE_CHECKING:
+    import torch
 
 _RID = struct.Struct("<qiI")  # version, chunk index, attempt
 
@@ -342,6 +344,18 @@ async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s
     in the manifest's dtypes and shapes.  ``relays`` are asked first, in order; ``sock``
     (the learner's weights endpoint) last.  ``on_chunk(i)`` is called once chunk ``i`` is
     in the buffer and verified (a ``RelayServer`` serves it from then on)."""
+    buf = await pull_stream(sock, manifest, timeout_s=timeout_s, window=window, max_retries=max_retries, buffer=buffer,
+                            relays=relays, relay_timeout_s=relay_timeout_s, relay_patience_s=relay_patience_s,
+                            on_chunk=on_chunk, report=report)
+    return tensors_from_buffer(buf, manifest, copy=copy)
+
+
+async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
+                      max_retries: int = 3, buffer: ReceiveBuffer | None = None, relays: Sequence[AsyncSocket] = (),
+                      relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
+                      on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> np.ndarray:
+    """``pull_weights`` without the tensors (no torch): the verified stream bytes, a view
+    of ``buffer``."""
     if window < 1 or max_retries < 0 or timeout_s <= 0:
         raise ValueError("window >= 1, max_retries >= 0 and timeout_s > 0 are required")
     buf = (buffer or ReceiveBuffer()).take(manifest.total_bytes)
@@ -356,7 +370,7 @@ async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s
                 report.from_learner += pull.from_source[-1]
                 report.fallbacks += pull.fallbacks
                 report.dead_relays = sorted(pull.dead)
-    return tensors_from_buffer(buf, manifest, copy=copy)
+    return buf
 
 
 def pull_weights_blocking(endpoint: str, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
