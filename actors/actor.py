@@ -38,6 +38,17 @@ applied*; each link has exactly one writer and only ever follows the link before
    bytes or the engine broke (``EngineBroken`` rebuilds the engine).  A failed swap
    leaves it as it was and the weights task pulls again.
 
+Relays (``ActorDeps.relay``, ``actors/relay.py``; docs/ARCHITECTURE.md "Weight fan-out").
+The actor's ``RelayServer`` serves other actors the chunks it holds, read-only, from the
+same two receive buffers: ``_pull`` registers the free buffer for the new version
+(``begin``) before the pull writes a byte into it, which withdraws the version it held
+at that moment, and marks each chunk once verified (``on_chunk``), so a relay serves
+version v only from a buffer holding v that no pull is writing into, and only verified
+chunks.  The pull asks the relays the learner named (``sources``, from ``Welcome`` and
+``HeartbeatAck``) before the learner and checks every chunk whatever its source
+(``actors/weight_sync.py``): a dead, slow or corrupt relay costs a retry elsewhere,
+never a torn or wrong version in the chain above.
+
 Readers compare incarnations: a lease starts playing only when ``applied`` is the current
 Welcome's incarnation's and at least the lease's version, and the weights task pulls
 whenever ``applied`` is another incarnation's.  So a Welcome from another learner

@@ -11,8 +11,8 @@ its place in the buffer (no intermediate copy).  Up to ``window`` requests are i
 
 Contract:
 
-- ``sock`` is used only by this call while it runs (its own DEALER connected to the
-  weights endpoint; ``Welcome.weights_endpoint``).
+- ``sock`` (and every relay socket) is used only by this call while it runs (its own
+  DEALER connected to the weights endpoint; ``Welcome.weights_endpoint``).
 - Every chunk is checked: size, the decoded ``WeightChunk`` (version, index, checksum
   field) and the checksum recomputed over the received bytes against the manifest.  A
   chunk that times out or fails a check is re-requested, at most ``max_retries`` times;
@@ -20,6 +20,17 @@ Contract:
   raises ``RemoteError`` (e.g. ``unknown_version``: pull the latest announced version).
 - Replies to earlier attempts or other versions are discarded, never written over a
   verified chunk.
+- Relays (``relays``: other actors' ``RelayServer``s, ``actors/relay.py``, nearest first)
+  are asked before ``sock``, per chunk.  Every chunk is checked the same way whatever
+  its source.  A relay's chunk that fails a check, an ``ErrorReply`` from a relay
+  (``unknown_version``: it moved past this version), a ``not_yet`` that lasts past
+  ``relay_patience_s`` (the relay's own pull is stuck or skipped the version) or no
+  reply within ``relay_timeout_s`` (the relay is taken for dead and skipped for the rest
+  of the pull) move that chunk to the next source, ultimately the learner, where
+  ``max_retries`` applies as above.  So a relay can cost time, never a torn or wrong
+  version: the buffer is handed out only when every chunk verified.
+- ``on_chunk(i)`` is called once chunk ``i`` is in the buffer and verified (never again
+  written during this pull): the actor's own ``RelayServer`` serves it from then on.
 - The returned tensors VIEW the receive buffer (``copy=False``, default).  Whoever holds
   them owns the buffer: it must not be pulled into again until they are released.  The
   actor keeps two buffers and hands the tensors to the engine (``Engine.load_weights``);
