@@ -38,6 +38,17 @@ applied*; each link has exactly one writer and only ever follows the link before
    bytes or the engine broke (``EngineBroken`` rebuilds the engine).  A failed swap
    leaves it as it was and the weights task pulls again.
 
+Relays (``ActorDeps.relay``, ``actors/relay.py``; docs/ARCHITECTURE.md "Weight fan-out").
+The actor's ``RelayServer`` serves other actors the chunks it holds, read-only, from the
+same two receive buffers: ``_pull`` registers the free buffer for the new version
+(``begin``) before the pull writes a byte into it, which withdraws the version it held
+at that moment, and marks each chunk once verified (``on_chunk``), so a relay serves
+version v only from a buffer holding v that no pull is writing into, and only verified
+chunks.  The pull asks the relays the learner named (``sources``, from ``Welcome`` and
+``HeartbeatAck``) before the learner and checks every chunk whatever its source
+(``actors/weight_sync.py``): a dead, slow or corrupt relay costs a retry elsewhere,
+never a torn or wrong version in the chain above.
+
 Readers compare incarnations: a lease starts playing only when ``applied`` is the current
 Welcome's incarnation's and at least the lease's version, and the weights task pulls
 whenever ``applied`` is another incarnation's.  So a Welcome from another learner
@@ -131,9 +142,12 @@ class EngineLike(Protocol):
     def close(self) -> None: ...
 
 
-PullFn = Callable[[AsyncSocket, WeightManifest, float, Any], Awaitable[Any]]
-"""``pull(weights_sock, manifest, timeout_s, buffer) -> named tensors`` (checksums verified),
-received into ``buffer`` (one of ``ActorDeps.new_buffer()``'s, free for this pull)."""
+PullFn = Callable[..., Awaitable[Any]]
+"""``pull(weights_sock, manifest, timeout_s, buffer, **relay) -> named tensors`` (checksums
+verified), received into ``buffer`` (one of ``ActorDeps.new_buffer()``'s, free for this
+pull).  ``relay`` (only when this actor has relays to ask or serves one): ``relays`` (sockets
+asked before ``weights_sock``, nearest first), ``on_chunk(i)`` (chunk ``i`` verified) and
+``report`` (``actors.weight_sync.PullReport``), as ``actors.weight_sync.pull_weights``."""
 
 PlayGroupFn = Callable[[Lease, list[PooledSession]], Awaitable[TrajectoryGroup]]
 """Plays one lease's episodes on the given sessions (one per episode) -> the group."""
@@ -149,6 +163,9 @@ class ActorDeps:
     """``(url, flavor) -> client``; the flavor is the learner's ``EnvEndpoint.flavor``."""
     new_buffer: Callable[[], Any] = lambda: None
     """A receive buffer for ``pull`` (the actor makes two); None lets ``pull`` allocate."""
+    relay: Any = None
+    """This actor's ``RelayServer`` (``actors/relay.py``; serves its verified chunks to other
+    actors, advertised in ``Hello.relay_endpoint``), or None.  Closed with the actor."""
 
 
 @dataclass
@@ -196,6 +213,10 @@ class ActorStats:
     engine_rebuilds: int = 0
     torn_weights: int = 0
     """Swaps after which the engine's weights did not checksum to the pulled bytes."""
+    weight_chunks_from_relays: int = 0
+    weight_chunks_from_learner: int = 0
+    weight_relay_fallbacks: int = 0
+    """Chunks a relay failed (dead, slow, refusing, corrupt) that were fetched elsewhere."""
 
 
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -245,6 +266,10 @@ class Actor:
     _slots: list[_BufferSlot] = field(default_factory=list)
     _token: str = field(default_factory=lambda: os.urandom(8).hex())
     """This process's ``Hello.token`` (keeps its actor id across reconnects)."""
+    sources: list[str] = field(default_factory=list)
+    """Relays to ask for weight chunks before the learner (``Welcome``/``HeartbeatAck.weight_sources``)."""
+    _relay_socks: dict[str, AsyncSocket] = field(default_factory=dict)
+    """This session's DEALERs to ``sources`` (closed with the session)."""
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
@@ -293,6 +318,8 @@ class Actor:
                     await pool.close()
         if self.runtime is not None:
             self.runtime.engine.close()
+        if self.deps.relay is not None:
+            self.deps.relay.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
 
@@ -413,13 +440,16 @@ class Actor:
                 await self._goodbye(req)
                 n.cancel_scope.cancel()
         finally:
-            for s in (sub, weights):
+            for s in (sub, weights, *self._relay_socks.values()):
                 if s is not None:
                     s.close()
+            self._relay_socks.clear()
 
     async def _hello(self, req: Requester) -> Welcome:
+        relay = self.deps.relay
         hello = Hello(actor_id=self.actor_id, host=pysocket.gethostname(), pid=os.getpid(), engine=self.engine_name,
-                      device=self.device, max_groups=self.cfg.max_groups, token=self._token)
+                      device=self.device, max_groups=self.cfg.max_groups, token=self._token,
+                      relay_endpoint=relay.endpoint if relay is not None else "")
         backoff = 0.2
         while True:
             try:
@@ -450,6 +480,7 @@ class Actor:
                 url = self.cfg.env_url or ep.url
                 self.pools[ep.name] = EnvPool(self.deps.make_env_client(url, ep.flavor))
         self.target = welcome.policy
+        self.sources = list(welcome.weight_sources)
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
@@ -589,6 +620,7 @@ class Actor:
                 ack = await self._request(req, hb, HeartbeatAck)
             except LearnerStopped:
                 return  # the lease loop ends the session (goodbye)
+            self.sources = list(ack.weight_sources)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)
                 if scope is not None:
@@ -648,7 +680,31 @@ class Actor:
         assert policy.manifest is not None
         t0 = time.monotonic()
         slot = await self._free_slot()
-        tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s), slot.buffer)
+        relay, key = self.deps.relay, id(slot)
+        kw: dict[str, Any] = {}
+        if self.sources:
+            kw["relays"] = [self._relay_sock(ep) for ep in self.sources]
+        if relay is not None and slot.buffer is not None:
+            # before any byte lands in the buffer: its old version is withdrawn from the relay,
+            # and the new one is served chunk by chunk as each is verified (actors/relay.py)
+            relay.begin(key, policy.manifest, slot.buffer.take(policy.manifest.total_bytes))
+            kw["on_chunk"] = lambda i: relay.mark(key, i)
+        report = None
+        if kw:
+            from actors.weight_sync import PullReport
+
+            kw["report"] = report = PullReport()
+        try:
+            tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s), slot.buffer, **kw)
+        except BaseException:
+            if relay is not None:
+                relay.withdraw(key)
+            raise
+        finally:
+            if report is not None:
+                self.stats.weight_chunks_from_relays += report.from_relays
+                self.stats.weight_chunks_from_learner += report.from_learner
+                self.stats.weight_relay_fallbacks += report.fallbacks
         engine = self.runtime.engine
         slot.swap = engine.load_weights(policy.version, tensors)  # the engine owns them until released
         try:
@@ -663,6 +719,15 @@ class Actor:
         self.stats.weight_pull_s += time.monotonic() - t0
         log.info("applied weights version %d in %.2fs", policy.version, time.monotonic() - t0)
         self._poke()
+
+    def _relay_sock(self, endpoint: str) -> AsyncSocket:
+        """This session's DEALER to another actor's relay (made on first use)."""
+        assert self._ctx is not None
+        s = self._relay_socks.get(endpoint)
+        if s is None:
+            s = self._relay_socks[endpoint] = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=None))
+            s.sock.connect(endpoint)
+        return s
 
     async def _verify(self, engine: EngineLike, tensors: Any, manifest: WeightManifest) -> None:
         """Checksum the engine's weights against the pulled bytes (engines that can read them back)."""

@@ -12,7 +12,8 @@ as ``ActorDeps``), phase by phase:
 3. env client factory: ``env_client`` speaks the flavor the learner announces
    (``EnvEndpoint.flavor`` from its ``env.options.flavor``), so actors can play on
    AgentGym's own servers;
-4. weight pull: ``pull_into`` / ``new_receive_buffer`` (``actors.weight_sync``);
+4. weight pull: ``pull_into`` / ``new_receive_buffer`` (``actors.weight_sync``) and the
+   relay serving this actor's chunks to others (``start_relay``, ``actors.relay``);
 5. the actor loop itself (``Actor``).
 
 Heavy modules (transformers, torch, the engines) are imported only when the part that
@@ -22,11 +23,12 @@ needs them runs.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from conf.schema import Config, EngineConfig
+from conf.schema import ActorConfig, Config, EngineConfig
 
 if TYPE_CHECKING:
     import torch
@@ -105,11 +107,48 @@ def env_client(url: str, flavor: str) -> EnvClientLike:
 
 
 async def pull_into(sock: AsyncSocket, manifest: WeightManifest, timeout_s: float,
-                    buffer: ReceiveBuffer | None) -> dict[str, torch.Tensor]:
-    """``ActorDeps.pull``: every chunk of ``manifest`` over ``sock`` into ``buffer``."""
+                    buffer: ReceiveBuffer | None, **relay: Any) -> dict[str, torch.Tensor]:
+    """``ActorDeps.pull``: every chunk of ``manifest`` over ``sock`` into ``buffer``
+    (``relay``: ``relays``, ``on_chunk``, ``report`` of ``pull_weights``)."""
     from actors.weight_sync import pull_weights
 
-    return await pull_weights(sock, manifest, timeout_s=timeout_s, buffer=buffer)
+    return await pull_weights(sock, manifest, timeout_s=timeout_s, buffer=buffer, **relay)
+
+
+def relay_address(cfg: ActorConfig) -> str:
+    """The address other actors reach this actor's relay at (``actor.relay_host``), or ""
+    for none: relays off, or the learner is on this host (``learner_host`` is a loopback
+    address), where the direct local pull is the fastest path."""
+    import ipaddress
+    import socket
+
+    if not cfg.relay:
+        return ""
+    if cfg.relay_host:
+        return cfg.relay_host
+    try:
+        learner = socket.gethostbyname(cfg.learner_host)
+        if ipaddress.ip_address(learner).is_loopback:
+            return ""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: only the route is looked up
+            s.connect((learner, cfg.learner_port))
+            return s.getsockname()[0]
+    except OSError as exc:
+        log.warning("no relay: cannot find this host's address towards the learner (%s)", exc)
+        return ""
+
+
+def start_relay(cfg: ActorConfig) -> Any:
+    """This actor's ``RelayServer`` (``actors/relay.py``), or None (``relay_address``).
+    ``TURNSCALE_TEST_RELAY_CORRUPT=1`` makes it serve corrupted bytes (tests only)."""
+    host = relay_address(cfg)
+    if not host:
+        return None
+    from actors.relay import RelayServer
+    from protocol.transport import tcp_endpoint
+
+    return RelayServer(tcp_endpoint(host, cfg.relay_port), curve=None,
+                       corrupt=os.environ.get("TURNSCALE_TEST_RELAY_CORRUPT") == "1")
 
 
 def new_receive_buffer() -> ReceiveBuffer:
@@ -138,7 +177,8 @@ def build_actor(cfg: Config) -> Actor:
     # 2. engine factory: engine, renderer and group player, built after the first Welcome
     make_runtime = RuntimeBuilder(engine_cfg=cfg.engine, actor_id=actor_id, sampling=latest_sampling)
     # 3. env client factory, 4. weight pull
-    deps = ActorDeps(make_runtime=make_runtime, make_env_client=env_client, pull=pull_into, new_buffer=new_receive_buffer)
+    deps = ActorDeps(make_runtime=make_runtime, make_env_client=env_client, pull=pull_into, new_buffer=new_receive_buffer,
+                     relay=start_relay(cfg.actor))
     # 5. runtime: the actor loop (``Actor.run``) drives all of it
     actor = Actor(cfg=cfg.actor, deps=deps, engine_name=cfg.engine.name, device=cfg.engine.device, actor_id=actor_id,
                   curve=curve)

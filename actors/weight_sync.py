@@ -11,8 +11,8 @@ its place in the buffer (no intermediate copy).  Up to ``window`` requests are i
 
 Contract:
 
-- ``sock`` is used only by this call while it runs (its own DEALER connected to the
-  weights endpoint; ``Welcome.weights_endpoint``).
+- ``sock`` (and every relay socket) is used only by this call while it runs (its own
+  DEALER connected to the weights endpoint; ``Welcome.weights_endpoint``).
 - Every chunk is checked: size, the decoded ``WeightChunk`` (version, index, checksum
   field) and the checksum recomputed over the received bytes against the manifest.  A
   chunk that times out or fails a check is re-requested, at most ``max_retries`` times;
@@ -20,6 +20,17 @@ Contract:
   raises ``RemoteError`` (e.g. ``unknown_version``: pull the latest announced version).
 - Replies to earlier attempts or other versions are discarded, never written over a
   verified chunk.
+- Relays (``relays``: other actors' ``RelayServer``s, ``actors/relay.py``, nearest first)
+  are asked before ``sock``, per chunk.  Every chunk is checked the same way whatever
+  its source.  A relay's chunk that fails a check, an ``ErrorReply`` from a relay
+  (``unknown_version``: it moved past this version), a ``not_yet`` that lasts past
+  ``relay_patience_s`` (the relay's own pull is stuck or skipped the version) or no
+  reply within ``relay_timeout_s`` (the relay is taken for dead and skipped for the rest
+  of the pull) move that chunk to the next source, ultimately the learner, where
+  ``max_retries`` applies as above.  So a relay can cost time, never a torn or wrong
+  version: the buffer is handed out only when every chunk verified.
+- ``on_chunk(i)`` is called once chunk ``i`` is in the buffer and verified (never again
+  written during this pull): the actor's own ``RelayServer`` serves it from then on.
 - The returned tensors VIEW the receive buffer (``copy=False``, default).  Whoever holds
   them owns the buffer: it must not be pulled into again until they are released.  The
   actor keeps two buffers and hands the tensors to the engine (``Engine.load_weights``);
@@ -35,10 +46,10 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
 import trio
 import zmq
 
@@ -47,6 +58,9 @@ from protocol import weights as weights_protocol
 from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.transport import AsyncSocket
+
+if TYPE_CHECKING:
+    import torch
 
 _RID = struct.Struct("<qiI")  # version, chunk index, attempt
 
@@ -80,96 +94,211 @@ def _checksum(algo: str, data: Any) -> int:
 
 
 class _Pull:
-    """State of one pull (see the module docstring)."""
+    """State of one pull (see the module docstring).  ``socks[-1]`` is the learner's
+    weights endpoint; the ones before it are relays, asked first in order."""
 
-    def __init__(self, sock: AsyncSocket, manifest: WeightManifest, buf: np.ndarray, timeout_s: float, window: int,
-                 max_retries: int) -> None:
-        self.sock = sock
-        self.raw: zmq.Socket = sock.sock
+    def __init__(self, socks: list[AsyncSocket], manifest: WeightManifest, buf: np.ndarray, timeout_s: float,
+                 window: int, max_retries: int, *, relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
+                 on_chunk: Callable[[int], None] | None = None) -> None:
+        self.socks = socks
         self.m = manifest
         self.buf = buf
         self.timeout_s = timeout_s
         self.window = window
         self.max_retries = max_retries
-        self.todo = deque(range(len(manifest.chunks)))
-        self.inflight: dict[int, tuple[float, int]] = {}  # index -> (deadline, attempt)
-        self.attempts = [0] * len(manifest.chunks)
+        self.relay_timeout_s = relay_timeout_s
+        self.relay_patience_s = relay_patience_s
+        self.on_chunk = on_chunk
+        n = len(manifest.chunks)
+        self.learner = len(socks) - 1
+        self.todo: deque[int] = deque(range(n))
+        self.later: list[tuple[float, int]] = []  # (not before, index): chunks a relay did not hold yet
+        self.inflight: dict[int, tuple[float, int, int]] = {}  # index -> (deadline, attempt, source)
+        self.attempts = [0] * n  # attempts at the learner (max_retries applies there)
+        self.rid_attempt = [0] * n  # every request's id, whichever source
+        self.source = [0] * n  # the source chunk i is asked from next
+        self.waited_since: dict[int, float] = {}  # first not_yet from the current relay
+        self.backoff = [0.002] * n
+        self.dead: set[int] = set()  # relays that timed out or failed a send: skipped from now on
         self.done = 0
         self.corrupt: dict[int, str] = {}
+        self.error: BaseException | None = None
+        self.from_source = [0] * len(socks)  # verified chunks per source
+        self.fallbacks = 0  # chunks moved to a later source
+        self._progress = trio.Event()
+
+    def _next_source(self, i: int) -> None:
+        """Chunk ``i``'s current relay failed it: ask the next live one (ultimately the learner)."""
+        s = self.source[i] + 1
+        while s < self.learner and s in self.dead:
+            s += 1
+        self.source[i] = min(s, self.learner)
+        self.waited_since.pop(i, None)
+        self.backoff[i] = 0.002
+        self.fallbacks += 1
+
+    def _wake(self) -> None:
+        self._progress.set()
 
     async def run(self) -> None:
+        failed: BaseException | None = None
+        async with trio.open_nursery() as nursery:  # receivers never raise: errors land in self.error
+            for s in range(len(self.socks)):
+                nursery.start_soon(self._receiver, s)
+            try:
+                await self._drive()
+            except (TurnscaleError, trio.TooSlowError) as exc:  # re-raised outside: not as an ExceptionGroup
+                failed = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+
+    async def _receiver(self, s: int) -> None:
+        sock = self.socks[s]
+        while True:
+            try:
+                await sock._wait(zmq.POLLIN)  # the socket is ours for the call
+                while self._recv_one(s):
+                    pass
+            except BaseException as exc:
+                if isinstance(exc, trio.Cancelled):
+                    raise
+                if self.error is None:
+                    self.error = exc
+            self._wake()
+            await trio.lowlevel.checkpoint()
+
+    async def _drive(self) -> None:
         n = len(self.m.chunks)
         while self.done < n:
+            if self.error is not None:
+                raise self.error
+            self._progress = trio.Event()  # before looking: a reply handled from now on wakes the wait below
+            now = trio.current_time()
+            due = [x for x in self.later if x[0] <= now]
+            if due:
+                self.later = [x for x in self.later if x[0] > now]
+                self.todo.extend(i for _, i in due)
             while self.todo and len(self.inflight) < self.window:
                 await self._request(self.todo.popleft())
-            deadline = min(d for d, _ in self.inflight.values())
-            with trio.move_on_at(deadline):
-                await self.sock._wait(zmq.POLLIN)  # the socket is ours for the call
-                while self._recv_one():
-                    pass
-                await trio.lowlevel.checkpoint()
+            wake_at = min([d for d, _, _ in self.inflight.values()] + [t for t, _ in self.later] + [now + 1.0])
+            if self.done < n and self.error is None:
+                with trio.move_on_at(wake_at):
+                    await self._progress.wait()
             now = trio.current_time()
-            for i, (d, _) in list(self.inflight.items()):
+            for i, (d, _, s) in list(self.inflight.items()):
                 if d <= now:
                     del self.inflight[i]
+                    if s != self.learner:  # a relay that does not answer in time is taken for dead
+                        self.dead.add(s)
+                        self._next_source(i)
                     self.todo.append(i)
+        if self.error is not None:
+            raise self.error
 
     async def _request(self, i: int) -> None:
-        if self.attempts[i] > self.max_retries:
-            if i in self.corrupt:
-                raise ChecksumMismatch(f"weights v{self.m.version} chunk {i}: {self.corrupt[i]} after "
-                                       f"{self.attempts[i]} attempts")
-            raise WeightSyncError(f"weights v{self.m.version} chunk {i}: no reply after {self.attempts[i]} attempts "
-                                  f"of {self.timeout_s:.1f}s; is the learner's weights endpoint reachable?")
-        self.attempts[i] += 1
-        rid = _RID.pack(self.m.version, i, self.attempts[i])
-        await self.sock.send_multipart([rid, *codec.encode(WeightChunkRequest(version=self.m.version, index=i))])
-        self.inflight[i] = (trio.current_time() + self.timeout_s, self.attempts[i])
+        s = self.source[i]
+        while s < self.learner and s in self.dead:
+            self._next_source(i)
+            s = self.source[i]
+        if s == self.learner:
+            if self.attempts[i] > self.max_retries:
+                if i in self.corrupt:
+                    raise ChecksumMismatch(f"weights v{self.m.version} chunk {i}: {self.corrupt[i]} after "
+                                           f"{self.attempts[i]} attempts")
+                raise WeightSyncError(f"weights v{self.m.version} chunk {i}: no reply after {self.attempts[i]} attempts "
+                                      f"of {self.timeout_s:.1f}s; is the learner's weights endpoint reachable?")
+            self.attempts[i] += 1
+        self.rid_attempt[i] += 1
+        rid = _RID.pack(self.m.version, i, self.rid_attempt[i])
+        frames = [rid, *codec.encode(WeightChunkRequest(version=self.m.version, index=i))]
+        # in flight before the send: the send may yield, and the reply may be handled before it returns
+        timeout = self.timeout_s if s == self.learner else self.relay_timeout_s
+        self.inflight[i] = (trio.current_time() + timeout, self.rid_attempt[i], s)
+        if s == self.learner:
+            await self.socks[s].send_multipart(frames)
+            return
+        with trio.move_on_after(min(self.relay_timeout_s, 0.5)) as scope:  # a DEALER to a dead peer blocks on send
+            await self.socks[s].send_multipart(frames)
+        if scope.cancelled_caught:  # nothing was sent (AsyncSocket: a cancelled send sent nothing)
+            self.inflight.pop(i, None)
+            self.dead.add(s)
+            self._next_source(i)
+            self.todo.appendleft(i)
 
-    def _discard_rest(self) -> None:
-        while self.raw.getsockopt(zmq.RCVMORE):
-            self.raw.recv_into(bytearray(), flags=zmq.NOBLOCK)
+    def _discard_rest(self, raw: zmq.Socket) -> None:
+        while raw.getsockopt(zmq.RCVMORE):
+            raw.recv_into(bytearray(), flags=zmq.NOBLOCK)
 
-    def _recv_one(self) -> bool:
-        """Handle one reply if one is queued; False when none is.  Never blocks: ZeroMQ
-        delivers multipart messages atomically, so once the first frame is here, all are."""
+    def _recv_one(self, s: int) -> bool:
+        """Handle one reply from source ``s`` if one is queued; False when none is.  Never
+        blocks: ZeroMQ delivers multipart messages atomically, so once the first frame is
+        here, all are."""
+        raw = self.socks[s].sock
         try:
-            rid = self.raw.recv(zmq.NOBLOCK)
+            rid = raw.recv(zmq.NOBLOCK)
         except zmq.Again:
             return False
-        if len(rid) != _RID.size or not self.raw.getsockopt(zmq.RCVMORE):
-            self._discard_rest()
+        if len(rid) != _RID.size or not raw.getsockopt(zmq.RCVMORE):
+            self._discard_rest(raw)
             return True
         version, i, attempt = _RID.unpack(rid)
-        header = self.raw.recv(zmq.NOBLOCK)
-        current = version == self.m.version and i in self.inflight and self.inflight[i][1] == attempt
-        if not self.raw.getsockopt(zmq.RCVMORE):  # no data frame: an ErrorReply (or inline data)
+        header = raw.recv(zmq.NOBLOCK)
+        current = (version == self.m.version and i in self.inflight and self.inflight[i][1] == attempt
+                   and self.inflight[i][2] == s)
+        if not raw.getsockopt(zmq.RCVMORE):  # no data frame: an ErrorReply (or inline data)
             if current:
                 try:
                     msg = codec.decode([header], expect=(ErrorReply, WeightChunk))
                 except ProtocolError as exc:
-                    raise WeightSyncError(f"weights v{self.m.version} chunk {i}: undecodable reply ({exc})") from None
+                    if s == self.learner:
+                        raise WeightSyncError(f"weights v{self.m.version} chunk {i}: undecodable reply ({exc})") from None
+                    self._relay_failed(i, f"undecodable reply ({exc})")
+                    return True
                 if isinstance(msg, ErrorReply):
-                    raise RemoteError(msg.code, msg.message, msg.retryable)
+                    if s == self.learner:
+                        raise RemoteError(msg.code, msg.message, msg.retryable)
+                    self._relay_refused(i, msg)
+                    return True
                 c = self.m.chunks[i]
                 view = self.buf[c.offset:c.offset + c.nbytes]
                 if msg.data.nbytes == c.nbytes:
                     view[:] = msg.data
-                self._verify(i, version, [header], view, msg.data.nbytes, False)
+                self._verify(i, version, [header], view, msg.data.nbytes, False, s)
             return True
-        if not current:  # late reply of an earlier attempt, or another version: drop it
-            self._discard_rest()
+        if not current:  # late reply of an earlier attempt, another source or version: drop it
+            self._discard_rest(raw)
             return True
         c = self.m.chunks[i]
         view = self.buf[c.offset:c.offset + c.nbytes]
-        got = self.raw.recv_into(view, flags=zmq.NOBLOCK)
-        extra = self.raw.getsockopt(zmq.RCVMORE)
-        self._discard_rest()
-        self._verify(i, version, [header, memoryview(view)], view, got, bool(extra))
+        got = raw.recv_into(view, flags=zmq.NOBLOCK)
+        extra = raw.getsockopt(zmq.RCVMORE)
+        self._discard_rest(raw)
+        self._verify(i, version, [header, memoryview(view)], view, got, bool(extra), s)
         return True
 
-    def _verify(self, i: int, version: int, frames: list, view: np.ndarray, got: int, extra: bool) -> None:
-        """Check chunk ``i`` now in ``view``; mark it done or queue it again."""
+    def _relay_failed(self, i: int, why: str) -> None:
+        del self.inflight[i]
+        self.corrupt[i] = why
+        self._next_source(i)
+        self.todo.append(i)
+
+    def _relay_refused(self, i: int, err: ErrorReply) -> None:
+        """A relay does not hold chunk ``i`` (yet): ask it again a little later, within
+        ``relay_patience_s``; any other refusal moves the chunk to the next source."""
+        del self.inflight[i]
+        now = trio.current_time()
+        if err.code == "not_yet" and now - self.waited_since.setdefault(i, now) < self.relay_patience_s:
+            self.later.append((now + self.backoff[i], i))
+            self.backoff[i] = min(self.backoff[i] * 2, 0.05)
+            return
+        self._next_source(i)
+        self.todo.append(i)
+
+    def _verify(self, i: int, version: int, frames: list, view: np.ndarray, got: int, extra: bool, s: int) -> None:
+        """Check chunk ``i`` now in ``view``; mark it done or queue it again (from the next
+        source when a relay sent it)."""
         c = self.m.chunks[i]
         problem = ""
         if got != c.nbytes or extra:
@@ -183,13 +312,20 @@ class _Pull:
                     problem = "checksum mismatch"
             except ProtocolError as exc:
                 problem = f"bad reply ({exc})"
-        del self.inflight[i]
         if problem:
+            if s != self.learner:
+                self._relay_failed(i, problem)
+                return
+            del self.inflight[i]
             self.corrupt[i] = problem
             self.todo.append(i)
         else:
+            del self.inflight[i]
             self.corrupt.pop(i, None)
             self.done += 1
+            self.from_source[s] += 1
+            if self.on_chunk is not None:
+                self.on_chunk(i)
 
 
 def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool = False) -> dict[str, torch.Tensor]:
@@ -200,16 +336,52 @@ def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool
         raise WeightSyncError(str(exc)) from None
 
 
+@dataclass
+class PullReport:
+    """Where a pull's chunks came from (filled in by ``pull_weights`` when given)."""
+
+    from_relays: int = 0
+    from_learner: int = 0
+    fallbacks: int = 0
+    """Chunks a relay failed (dead, timed out, refused, wrong bytes) that were asked elsewhere."""
+    dead_relays: list[int] = field(default_factory=list)
+
+
 async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
-                       max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False) -> dict[str, torch.Tensor]:
+                       max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
+                       relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
+                       on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> dict[str, torch.Tensor]:
     """Pull every chunk of ``manifest`` (see the module docstring); returns name -> tensor
-    in the manifest's dtypes and shapes."""
+    in the manifest's dtypes and shapes.  ``relays`` are asked first, in order; ``sock``
+    (the learner's weights endpoint) last.  ``on_chunk(i)`` is called once chunk ``i`` is
+    in the buffer and verified (a ``RelayServer`` serves it from then on)."""
+    buf = await pull_stream(sock, manifest, timeout_s=timeout_s, window=window, max_retries=max_retries, buffer=buffer,
+                            relays=relays, relay_timeout_s=relay_timeout_s, relay_patience_s=relay_patience_s,
+                            on_chunk=on_chunk, report=report)
+    return tensors_from_buffer(buf, manifest, copy=copy)
+
+
+async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
+                      max_retries: int = 3, buffer: ReceiveBuffer | None = None, relays: Sequence[AsyncSocket] = (),
+                      relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
+                      on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> np.ndarray:
+    """``pull_weights`` without the tensors (no torch): the verified stream bytes, a view
+    of ``buffer``."""
     if window < 1 or max_retries < 0 or timeout_s <= 0:
         raise ValueError("window >= 1, max_retries >= 0 and timeout_s > 0 are required")
     buf = (buffer or ReceiveBuffer()).take(manifest.total_bytes)
     if manifest.chunks:
-        await _Pull(sock, manifest, buf, timeout_s, window, max_retries).run()
-    return tensors_from_buffer(buf, manifest, copy=copy)
+        pull = _Pull([*relays, sock], manifest, buf, timeout_s, window, max_retries, relay_timeout_s=relay_timeout_s,
+                     relay_patience_s=relay_patience_s, on_chunk=on_chunk)
+        try:
+            await pull.run()
+        finally:
+            if report is not None:
+                report.from_relays += sum(pull.from_source[:-1])
+                report.from_learner += pull.from_source[-1]
+                report.fallbacks += pull.fallbacks
+                report.dead_relays = sorted(pull.dead)
+    return buf
 
 
 def pull_weights_blocking(endpoint: str, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,

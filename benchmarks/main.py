@@ -13,7 +13,7 @@ import sys
 
 from benchmarks.common import format_table, write_json
 
-BENCHMARKS = ["transport", "envhub", "envgames", "actor", "learner", "weights", "e2e"]
+BENCHMARKS = ["transport", "envhub", "envgames", "actor", "learner", "weights", "e2e", "fanout"]
 
 
 def main(argv: list[str]) -> int:

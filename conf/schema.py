@@ -357,6 +357,28 @@ class ActorCurveConfig:
 
 
 @dataclass(kw_only=True)
+class RelayConfig:
+    """Weight fan-out through actor relays (docs/ARCHITECTURE.md, "Weight fan-out")."""
+
+    enabled: bool = True
+    """Actors that advertise a relay endpoint (``Hello.relay_endpoint``) are placed in a
+    tree in registration order and told their sources (``Welcome``/``HeartbeatAck.
+    weight_sources``); off: every actor pulls from the learner (the star)."""
+    fanout: int = 1
+    """Children per node: the learner serves ``fanout`` copies of each version and every
+    relay uploads ``fanout`` copies.  1 (a chain) measured fastest on per-host capped links:
+    chunk-level pipelining makes depth cheap, and each host's uplink carries one copy
+    (benchmarks/README.md, "fanout")."""
+    fallback_hops: int = 2
+    """Ancestors an actor is told to ask (nearest first) before the learner: a dead parent
+    costs a hop up the tree, not the learner's egress."""
+
+    def __post_init__(self) -> None:
+        _require(self.fanout >= 1, "learner.relay.fanout", "must be >= 1")
+        _require(self.fallback_hops >= 1, "learner.relay.fallback_hops", "must be >= 1")
+
+
+@dataclass(kw_only=True)
 class LearnerConfig:
     host: str = "127.0.0.1"
     """Interface the learner binds; actors connect to it."""
@@ -399,6 +421,7 @@ class LearnerConfig:
     to exercise admission control and backpressure).  0 in real runs."""
     curve: LearnerCurveConfig = field(default_factory=LearnerCurveConfig)
     """CURVE on the learner's sockets (on by default off loopback)."""
+    relay: RelayConfig = field(default_factory=RelayConfig)
 
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0, "learner.max_staleness", "must be >= 0")
@@ -432,6 +455,15 @@ class ActorConfig:
     the model per version (crc32c runs at memory-copy speed)."""
     curve: ActorCurveConfig = field(default_factory=ActorCurveConfig)
     """CURVE on the sockets to the learner (on by default when the learner is not on loopback)."""
+    relay: bool = True
+    """Serve the weight chunks this actor holds to other actors (``actors/relay.py``) when
+    it has an address they can reach (``relay_host``)."""
+    relay_host: str = ""
+    """Address other actors reach this actor's relay at.  Empty: the local address of the
+    route to the learner, unless ``learner_host`` is a loopback address (an actor on the
+    learner's host keeps its direct local pull and serves no relay)."""
+    relay_port: int = 0
+    """Port of the relay; 0 picks a free one."""
 
 
 @dataclass(kw_only=True)

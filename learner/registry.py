@@ -53,6 +53,8 @@ class ActorInfo:
     max_groups: int = 1
     policy_version: int = -1
     stats: dict[str, float] = field(default_factory=dict)
+    relay_endpoint: str = ""
+    """``Hello.relay_endpoint``: where it serves weight chunks to other actors (empty: none)."""
 
 
 def hello_problem(msg: Hello) -> str:
@@ -66,6 +68,9 @@ def hello_problem(msg: Hello) -> str:
             return f"{name} must be at most {MAX_NAME_CHARS} characters"
     if msg.max_groups < 1:
         return "max_groups must be >= 1"
+    ep = msg.relay_endpoint
+    if ep and (len(ep) > MAX_NAME_CHARS or not ep.startswith("tcp://") or not ep.isprintable() or ":" not in ep[6:]):
+        return f"relay_endpoint must be empty or tcp://host:port (at most {MAX_NAME_CHARS} characters)"
     return ""
 
 
@@ -102,7 +107,7 @@ class ActorRegistry:
             return None, ErrorReply(code="too_many_actors", retryable=True,
                                     message=f"the learner serves at most {self.max_actors} actors"), False
         info = ActorInfo(msg.actor_id, msg.host, msg.pid, msg.engine, now, identity=identity, token=msg.token,
-                         max_groups=min(msg.max_groups, MAX_GROUPS_PER_ACTOR))
+                         max_groups=min(msg.max_groups, MAX_GROUPS_PER_ACTOR), relay_endpoint=msg.relay_endpoint)
         self.actors[msg.actor_id] = info
         return info, None, old is not None
 

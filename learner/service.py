@@ -69,6 +69,7 @@ import trio
 import zmq
 
 from conf.schema import Config
+from learner import relaytree
 from learner.leases import LeaseManager, Ready
 from learner.runstate import RunState
 from learner.registry import ActorRegistry, short
@@ -176,6 +177,8 @@ class LearnerService:
         self.publishing = False
         """True while a publication is in progress: no leases are granted meanwhile."""
         self.manifest: WeightManifest | None = None
+        self._egress_mark = 0
+        """The publisher's ``served_bytes`` when the current version was published."""
         self.actors = ActorRegistry(max_actors=lc.max_actors, silent_s=3 * lc.heartbeat_interval_s)
         """Registered actors, each bound to its connection (``learner.registry``)."""
         self.metrics = StepMetrics()
@@ -271,12 +274,28 @@ class LearnerService:
     async def _publish_weights(self, version: int) -> None:
         self.publishing = True
         try:
+            self._record_egress()
             sd = await trio.to_thread.run_sync(self.parts.weights)
             self.manifest = await trio.to_thread.run_sync(self.parts.publisher.publish, version, sd)
             self.run.publish(version)
             await self._announce()
         finally:
             self.publishing = False
+
+    def _record_egress(self) -> None:
+        """Learner egress for the version being replaced: the weight bytes its publisher served
+        since that version was published (``weights/learner_egress_copies``: in copies of the
+        weights; with relays about ``learner.relay.fanout``, without them one per actor)."""
+        served = getattr(self.parts.publisher, "served_bytes", None)
+        if served is None:
+            return
+        m = self.manifest
+        if m is not None and m.total_bytes:
+            d = served - self._egress_mark
+            self.metrics.add("weights/learner_egress_bytes", d, "sum")
+            self.metrics.add("weights/learner_egress_copies", d / m.total_bytes, "max")
+            log.info("weights v%d: learner egress %d bytes (%.2f copies)", m.version, d, d / m.total_bytes)
+        self._egress_mark = served
 
     async def _announce(self) -> None:
         try:
@@ -465,7 +484,8 @@ class LearnerService:
             if a is None:
                 return _not_registered()
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
-            return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now))
+            return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now),
+                                weight_sources=self.weight_sources(msg.actor_id))
         if isinstance(msg, Goodbye):
             if self.actors.bound(msg.actor_id, identity) is None:
                 return _not_registered()
@@ -512,7 +532,20 @@ class LearnerService:
             transfer_dtype=lc.transfer_dtype, pub_endpoint=tcp_endpoint(lc.host, lc.pub_port),
             weights_endpoint=tcp_endpoint(lc.host, lc.weights_port),
             heartbeat_interval_s=lc.heartbeat_interval_s, policy=self.announcement(),
+            weight_sources=self.weight_sources(msg.actor_id),
         )
+
+    def weight_sources(self, actor_id: str) -> list[str]:
+        """The relays ``actor_id`` asks for weight chunks before the learner (``learner/relaytree.py``):
+        none when relays are off or the actor serves no relay itself (e.g. it shares the learner's host)."""
+        rc = self.cfg.learner.relay
+        if not rc.enabled:
+            return []
+        ids = [a.actor_id for a in self.actors.values() if a.relay_endpoint]
+        if actor_id not in ids:
+            return []
+        eps = [self.actors.actors[a].relay_endpoint for a in ids]
+        return relaytree.sources(eps, ids.index(actor_id), rc.fanout, rc.fallback_hops)
 
     def _lease_request(self, msg: LeaseRequest, identity: bytes, now: float) -> Any:
         a = self.actors.bound(msg.actor_id, identity)

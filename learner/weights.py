@@ -76,6 +76,8 @@ class WeightPublisher:
         self._stop = threading.Event()
         self._poll_ms = poll_ms
         self.served_chunks = 0
+        self.served_bytes = 0
+        """Learner egress: chunk bytes handed to the kernel for sending, all versions."""
         self.bad_requests = 0
         self._sock = configure(self._ctx.socket(zmq.ROUTER), limits, curve, server=True)  # CURVE: ZAP runs on context
         if endpoint.endswith(":0"):
@@ -198,5 +200,6 @@ class WeightPublisher:
                 ver.trackers[:] = [t for t in ver.trackers if not t.done]
                 ver.trackers.append(tracker)
                 self.served_chunks += 1
+                self.served_bytes += c.nbytes
                 return
         self._sock.send_multipart([*prefix, *codec.encode(err)])

@@ -37,10 +37,11 @@ import numpy as np
 from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on every incompatible change; a message with another version is rejected.
 (3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
-read them; a lease carries its turn limit and version.)"""
+read them; a lease carries its turn limit and version.  4: weight fan-out through actor
+relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.weight_sources``.)"""
 
 FINISH_REASONS = frozenset(
     {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
@@ -278,6 +279,9 @@ class Hello:
     token: str = ""
     """Random per actor *process*: a reconnecting process keeps its actor id by presenting
     the same token; another process cannot take a live actor's id."""
+    relay_endpoint: str = ""
+    """Where this actor serves the weight chunks it holds to other actors (its
+    ``RelayServer``, ``tcp://host:port`` reachable by them); empty: it serves none."""
     schema_version: int = SCHEMA_VERSION
     """The actor's protocol version (also checked on the envelope)."""
 
@@ -309,6 +313,9 @@ class Welcome:
     """How often to send ``Heartbeat``; a lease not heartbeated for its ttl is re-issued."""
     policy: PolicyAnnouncement
     """The current policy (pull its weights before the first lease)."""
+    weight_sources: list[str] = field(default_factory=list)
+    """Relays (other actors' ``relay_endpoint``) to ask for weight chunks before
+    ``weights_endpoint``, nearest first; empty: pull from the learner only."""
 
 
 @record
@@ -489,6 +496,8 @@ class HeartbeatAck:
 
     unknown_lease_ids: list[str]
     """Leases the learner no longer holds (expired and re-issued): abandon them."""
+    weight_sources: list[str] = field(default_factory=list)
+    """The actor's current relays (as ``Welcome.weight_sources``; they change when actors leave)."""
 
 
 @record

@@ -23,10 +23,10 @@ TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_
         "model.tiny.intermediate_size=128", "model.tiny.vocab_size=1024"]
 
 
-def start(args: list[str], log_path: str) -> subprocess.Popen:
+def start(args: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "turnscale", *args], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def end(proc: subprocess.Popen) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import trio
+import zmq
 
 from actors.actor import Actor, ActorDeps, Runtime
 from actors.engine import GenerateRequest
+from learner.registry import ActorInfo
 from learner.service import LearnerService, ServiceParts
 from protocol.messages import SamplingParams
 from tests.unit.checksum_engine import ChecksumEngine, version_weights, weights_token
@@ -573,3 +575,68 @@ def test_actor_that_connects_after_the_run_ended_is_told_on_its_hello_and_exits_
         ctx.destroy(linger=0)
     assert actor.stop_reason.startswith("learner shutdown")
     assert actor.stats.sessions == 0 and actor.stats.leases_received == 0
+
+
+class RelayBuffer(Buffer):
+    def take(self, nbytes):
+        return self.array.view(np.uint8)[:nbytes]
+
+
+class RecordingRelay:
+    """Stands in for ``actors.relay.RelayServer``: records what the actor tells it."""
+
+    endpoint = "tcp://10.9.9.9:7000"
+
+    def __init__(self, events):
+        self.events = events
+
+    def begin(self, key, manifest, buf):
+        self.events.append(("begin", key, manifest.version))
+
+    def mark(self, key, index):
+        self.events.append(("mark", key, index))
+
+    def withdraw(self, key):
+        self.events.append(("withdraw", key))
+
+    def close(self):
+        self.events.append(("close",))
+
+
+def test_actor_registers_its_relay_buffer_before_each_pull_and_asks_the_learners_sources():
+    cfg = make_cfg(**{"learner.steps": 3, "learner.max_staleness": 1, "learner.heartbeat_interval_s": 0.05,
+                      "learner.relay.fanout": 1})
+    svc = LearnerService(cfg, ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict,
+                                           schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.5, 0.2
+    # an earlier relaying actor registered: this one is its child in the chain
+    svc.actors.actors["head"] = ActorInfo("head", "h", 1, "sim", 1e18, identity=b"x", relay_endpoint="tcp://10.9.9.1:7000")
+    events, engine = [], ChecksumEngine(size=SIZE)
+    actor = make_actor(cfg, FakeEnvClient(), engine)
+    actor.deps.new_buffer = RelayBuffer
+    actor.deps.relay = RecordingRelay(events)
+    seen = []
+
+    async def pull(sock, manifest, timeout_s, buffer, **kw):
+        assert events[-1] == ("begin", id(next(s for s in actor._slots if s.buffer is buffer)), manifest.version)
+        seen.append((manifest.version, [s.sock.getsockopt_string(zmq.LAST_ENDPOINT) for s in kw["relays"]]))
+        kw["on_chunk"](0)
+        kw["report"].from_learner += 1
+        return await fake_pull(sock, manifest, timeout_s, buffer)
+
+    actor.deps.pull = pull
+    hello = []
+    orig = actor._hello
+
+    async def spy(req):
+        w = await orig(req)
+        hello.append(w.weight_sources)
+        return w
+
+    actor._hello = spy
+    run_to_shutdown(svc, actor)
+    assert hello and hello[0] == ["tcp://10.9.9.1:7000"]  # the Welcome names the parent relay
+    assert seen and all(eps == ["tcp://10.9.9.1:7000"] for _, eps in seen)
+    begins = [e for e in events if e[0] == "begin"]
+    assert [v for _, _, v in begins] == [v for v, _ in seen]  # every pull registered first
+    assert ("close",) == events[-1] and actor.stats.weight_chunks_from_learner == len(seen)

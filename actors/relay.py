@@ -1,0 +1,224 @@
+"""An actor's chunk server: serves the weight chunks this actor has already verified to
+other actors (the relay tree, ``learner.relay`` and docs/ARCHITECTURE.md "Weight fan-out").
+
+Same wire as the learner's weights ROUTER (``learner/weights.py``): frames in are
+``[identity, request_id, *WeightChunkRequest]``, frames out ``[identity, request_id,
+*WeightChunk]`` (data its own frame) or ``[identity, request_id, *ErrorReply]``.  A
+chunk this relay does not hold (yet) is answered ``ErrorReply(code="not_yet",
+retryable=True)`` after holding the request up to ``hold_s`` (answered the moment the
+chunk is verified, so a pipelined child is one chunk behind its parent without polling):
+its own pull may still be on the way, so the asker retries a little later, and after its patience runs out asks its next source (ultimately the learner).  A
+version older than the newest this relay has begun to pull, and no longer held, will not
+come: ``ErrorReply(code="unknown_version")`` sends the asker to its next source at once
+(an actor skips versions when a newer one is announced before it pulls).
+
+Safety (the receive buffers' ordering contract, ``actors/actor.py`` "Weights"):
+
+- a buffer is registered (``begin``) for version v *before* a pull writes into it; any
+  earlier registration of that buffer is withdrawn at that moment, under the lock the
+  serving thread holds through each send, so no chunk of an older version is ever read
+  from a buffer being overwritten;
+- a chunk is served only after the pull has verified it against the manifest checksum
+  (``mark``); the pull never writes a verified chunk again (late replies are dropped);
+- sends copy the chunk into the ZeroMQ message under the lock (``copy=True``), so no
+  reply references the buffer after the lock is released.
+
+The asker verifies every chunk's checksum regardless of source (``actors/weight_sync.py``),
+so a relay serving wrong bytes costs a re-fetch from elsewhere, never a wrong version.
+
+``corrupt=True`` flips one byte of every chunk it serves (tests only: it is how the
+checksum refusal is exercised end to end; ``actors.main`` sets it from
+``TURNSCALE_TEST_RELAY_CORRUPT=1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import numpy as np
+import zmq
+
+from protocol import codec
+from protocol.errors import ProtocolError
+from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from protocol.transport import CurveKeys, SocketLimits, configure, split_router_frames
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    manifest: WeightManifest
+    buf: np.ndarray
+    verified: np.ndarray  # bool per chunk
+
+
+class RelayServer:
+    """Serves verified chunks of the versions held in registered receive buffers on a
+    ROUTER bound at ``endpoint`` (port 0 picks a free one; see ``self.endpoint``)."""
+
+    def __init__(self, endpoint: str, *, context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(),
+                 curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False, hold_s: float = 0.5) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._held: dict[Hashable, _Held] = {}
+        self.hold_s = hold_s
+        """A request for a chunk not verified yet is held this long (answered as soon as it is)
+        before ``not_yet``: a pipelined child gets each chunk one hop after its parent does,
+        without polling."""
+        self._pending: list[tuple[float, list, WeightChunkRequest]] = []  # (deadline, prefix, request): serving thread only
+        self._wanted = False  # some request is held: mark() wakes the serving thread
+        wake = f"inproc://relay-wake-{id(self):x}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)  # used by the serving thread only
+        self._wake_rx.bind(wake)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)  # used by mark()'s caller (the puller's thread) only
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.setsockopt(zmq.SNDHWM, 4)
+        self._wake_tx.connect(wake)
+        self._stop = threading.Event()
+        self._poll_ms = poll_ms
+        self.corrupt = corrupt
+        self.served_chunks = 0
+        self.served_bytes = 0
+        self.not_yet = 0
+        self.newest = -1
+        """The newest version ``begin`` has seen."""
+        self._sock = configure(self._ctx.socket(zmq.ROUTER), limits, curve, server=True)
+        if endpoint.endswith(":0"):
+            port = self._sock.bind_to_random_port(endpoint[: endpoint.rindex(":")])
+            endpoint = f"{endpoint[: endpoint.rindex(':')]}:{port}"
+        else:
+            self._sock.bind(endpoint)
+        self.endpoint = endpoint
+        self._thread = threading.Thread(target=self._serve, name="relay-router", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ puller side
+    def begin(self, key: Hashable, manifest: WeightManifest, buf: np.ndarray) -> None:
+        """``buf`` (known as ``key``) is about to receive ``manifest``'s version: withdraw what
+        it held and serve its chunks as they are ``mark``-ed."""
+        with self._lock:
+            self._held[key] = _Held(manifest, buf, np.zeros(len(manifest.chunks), dtype=bool))
+            self.newest = max(self.newest, manifest.version)
+
+    def mark(self, key: Hashable, index: int) -> None:
+        """Chunk ``index`` of ``key``'s version is in its buffer and verified."""
+        with self._lock:
+            h = self._held.get(key)
+            if h is not None:
+                h.verified[index] = True
+            wanted = self._wanted
+        if wanted:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already queued (or we are closing): the thread will look anyway
+
+    def withdraw(self, key: Hashable) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+
+    def holds(self) -> dict[Hashable, tuple[int, int]]:
+        """key -> (version, verified chunks), for tests and metrics."""
+        with self._lock:
+            return {k: (h.manifest.version, int(h.verified.sum())) for k, h in self._held.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        for sock in (self._sock, self._wake_rx, self._wake_tx):
+            if not sock.closed:
+                sock.close(linger=0)
+
+    def __enter__(self) -> "RelayServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ serving thread
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                timeout = self._poll_ms
+                if self._pending:
+                    timeout = max(0, min(timeout, int((min(d for d, _, _ in self._pending) - time.monotonic()) * 1000) + 1))
+                ready = dict(poller.poll(timeout))
+                if self._wake_rx in ready:
+                    while True:
+                        try:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                if self._pending:
+                    self._retry_pending()
+                if self._sock in ready:
+                    while True:
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._answer(frames)
+            except zmq.ZMQError as exc:
+                if self._stop.is_set() or exc.errno == zmq.ETERM:
+                    return
+                log.exception("relay ROUTER error; continuing")
+            except Exception:
+                log.exception("relay ROUTER: unexpected error answering a request")
+
+    def _retry_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        now = time.monotonic()
+        for deadline, prefix, req in pending:
+            self._reply(prefix, req, hold=deadline > now, deadline=deadline)
+        with self._lock:
+            self._wanted = bool(self._pending)
+
+    def _answer(self, frames: list) -> None:
+        try:
+            prefix, body = split_router_frames(frames)
+            req = codec.decode(body, expect=WeightChunkRequest)
+        except ProtocolError as exc:
+            if len(frames) >= 2:
+                self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *codec.encode(
+                    ErrorReply(code="bad_message", message=f"expected a WeightChunkRequest: {exc}"))])
+            return
+        self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s)
+
+    def _reply(self, prefix: list, req: WeightChunkRequest, *, hold: bool, deadline: float) -> None:
+        """Send the chunk if held and verified; else hold the request (until ``deadline``),
+        or answer ``not_yet`` / ``unknown_version``."""
+        with self._lock:  # held through the send: a buffer is never re-registered mid-send
+            for h in self._held.values():
+                if h.manifest.version == req.version and 0 <= req.index < len(h.verified) and h.verified[req.index]:
+                    c = h.manifest.chunks[req.index]
+                    data = h.buf[c.offset:c.offset + c.nbytes]
+                    if self.corrupt and c.nbytes:
+                        data = data.copy()
+                        data[0] ^= 0xFF
+                    msg = WeightChunk(version=req.version, index=c.index, checksum=c.checksum, data=data)
+                    self._sock.send_multipart([*prefix, *codec.encode(msg, out_of_band_bytes=0)], copy=True)
+                    self.served_chunks += 1
+                    self.served_bytes += c.nbytes
+                    return
+            gone = req.version < self.newest and all(h.manifest.version != req.version for h in self._held.values())
+            if hold and not gone:
+                self._pending.append((deadline, prefix, req))
+                self._wanted = True
+                return
+            self.not_yet += not gone
+        if gone:
+            err = ErrorReply(code="unknown_version", message=f"this relay holds no version {req.version} and never "
+                             f"will (it has moved on to {self.newest}); ask the next source")
+        else:
+            err = ErrorReply(code="not_yet", retryable=True,
+                             message=f"this relay does not hold chunk {req.index} of version {req.version} (yet)")
+        self._sock.send_multipart([*prefix, *codec.encode(err)])

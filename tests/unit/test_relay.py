@@ -1,0 +1,179 @@
+"""Relay fan-out on 127.0.0.1: an actor's RelayServer serves verified chunks to other
+pullers; a puller verifies every chunk whatever its source and falls back (next relay,
+ultimately the learner) on a dead, slow, refusing or corrupt relay, never returning a
+torn or wrong version."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trio
+import zmq
+
+from actors.relay import RelayServer
+from actors.weight_sync import PullReport, ReceiveBuffer, pull_weights
+from learner.weights import WeightPublisher
+from protocol import checksums, codec
+from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
+from protocol.transport import AsyncSocket, configure, free_port
+
+torch.set_num_threads(1)
+
+
+def state_dict(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(200, 64, generator=g), "b": torch.randn(333, generator=g),
+            "i": torch.arange(17, dtype=torch.int64)}
+
+
+@pytest.fixture
+def publisher():
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.004, dtype="bfloat16")  # ~4 KB chunks
+    yield pub
+    pub.close()
+
+
+def dealer(ep):
+    s = AsyncSocket(configure(zmq.Context.instance().socket(zmq.DEALER)))
+    s.sock.connect(ep)
+    return s
+
+
+def stream_ok(buf, m):
+    stream = buf.buf[: m.total_bytes]
+    return all(checksums.checksum(m.checksum_algo, stream[c.offset:c.offset + c.nbytes]) == c.checksum for c in m.chunks)
+
+
+async def pull_into(ep, m, buf, *, relays=(), relay=None, key="k", report=None, **kw):
+    socks = [dealer(ep), *[dealer(r) for r in relays]]
+    if relay is not None:
+        relay.begin(key, m, buf.take(m.total_bytes))
+    try:
+        with trio.fail_after(20):
+            return await pull_weights(socks[0], m, timeout_s=5, window=4, buffer=buf, relays=socks[1:],
+                                      on_chunk=(lambda i: relay.mark(key, i)) if relay else None, report=report, **kw)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_relay_answers_not_yet_until_a_chunk_is_verified(publisher):
+    m = publisher.publish(1, state_dict())
+    buf = np.zeros(m.total_bytes, dtype=np.uint8)
+    with RelayServer("tcp://127.0.0.1:0") as relay:
+        raw = configure(zmq.Context.instance().socket(zmq.DEALER))
+        raw.connect(relay.endpoint)
+        try:
+            def ask(i):
+                raw.send_multipart([b"r", *codec.encode(WeightChunkRequest(version=1, index=i))])
+                assert raw.poll(5000)
+                frames = raw.recv_multipart()
+                return codec.decode(frames[1:], expect=(ErrorReply, WeightChunk))
+
+            assert isinstance(ask(0), ErrorReply) and ask(0).code == "not_yet" and ask(0).retryable
+            relay.begin("k", m, buf)
+            c = m.chunks[0]
+            buf[c.offset:c.offset + c.nbytes] = 7
+            assert ask(0).code == "not_yet"  # written but not verified: never served
+            relay.mark("k", 0)
+            got = ask(0)
+            assert isinstance(got, WeightChunk) and got.checksum == c.checksum and bytes(got.data) == bytes(buf[:c.nbytes])
+            relay.begin("k", publisher.publish(2, state_dict(1)), buf)  # the buffer is reused: v1 withdrawn at once
+            gone = ask(0)
+            assert gone.code == "unknown_version" and not gone.retryable  # v1 will not come back: ask elsewhere
+        finally:
+            raw.close(linger=0)
+
+
+def test_a_chain_pulls_every_chunk_from_the_relay_pipelined(publisher):
+    m = publisher.publish(1, state_dict())
+    a, b = ReceiveBuffer(), ReceiveBuffer()
+    rep = PullReport()
+    with RelayServer("tcp://127.0.0.1:0") as relay:
+        async def main():
+            async with trio.open_nursery() as n:
+                n.start_soon(lambda: pull_into(publisher.endpoint, m, b, relays=[relay.endpoint], report=rep))
+                await trio.sleep(0.05)  # b asks first: gets not_yet, waits for a's chunks
+                await pull_into(publisher.endpoint, m, a, relay=relay)
+
+        before = publisher.served_bytes
+        trio.run(main)
+    assert stream_ok(a, m) and stream_ok(b, m)
+    assert rep.from_learner == 0 and rep.from_relays == len(m.chunks)
+    assert publisher.served_bytes - before == m.total_bytes  # one copy left the learner
+
+
+def test_a_relay_killed_mid_transfer_costs_a_retry_elsewhere(publisher):
+    m = publisher.publish(1, state_dict())
+    half = len(m.chunks) // 2
+    a, b = ReceiveBuffer(), ReceiveBuffer()
+    relay = RelayServer("tcp://127.0.0.1:0")
+    relay.begin("k", m, a.take(m.total_bytes))
+
+    async def main():
+        await pull_into(publisher.endpoint, m, a)  # the relay's own copy, marked only half-way
+        for i in range(half):
+            relay.mark("k", i)
+        rep = PullReport()
+        async with trio.open_nursery() as n:
+            async def kill():
+                while relay.served_chunks < half // 2:
+                    await trio.sleep(0.005)
+                relay.close()  # dies mid-transfer: pending requests are never answered
+            n.start_soon(kill)
+            await pull_into(publisher.endpoint, m, b, relays=[relay.endpoint], report=rep, relay_timeout_s=0.5,
+                            relay_patience_s=0.3)
+        return rep
+
+    rep = trio.run(main)
+    relay.close()
+    assert stream_ok(b, m)
+    assert rep.from_relays >= half // 2 and rep.from_learner > 0 and rep.fallbacks > 0
+
+
+def test_a_dead_relay_endpoint_falls_back_to_the_next_source(publisher):
+    m = publisher.publish(1, state_dict())
+    a, b = ReceiveBuffer(), ReceiveBuffer()
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens
+    with RelayServer("tcp://127.0.0.1:0") as live:
+        async def main():
+            await pull_into(publisher.endpoint, m, a, relay=live)
+            rep = PullReport()
+            await pull_into(publisher.endpoint, m, b, relays=[dead, live.endpoint], report=rep, relay_timeout_s=0.3)
+            return rep
+
+        rep = trio.run(main)
+    assert stream_ok(b, m)
+    assert rep.dead_relays == [0] and rep.from_relays == len(m.chunks) and rep.from_learner == 0
+
+
+def test_a_corrupt_relay_is_refused_by_checksum_and_refetched(publisher):
+    m = publisher.publish(1, state_dict())
+    a, b = ReceiveBuffer(), ReceiveBuffer()
+    with RelayServer("tcp://127.0.0.1:0", corrupt=True) as bad:
+        async def main():
+            await pull_into(publisher.endpoint, m, a, relay=bad)
+            rep = PullReport()
+            got = await pull_into(publisher.endpoint, m, b, relays=[bad.endpoint], report=rep, copy=True)
+            return rep, got
+
+        rep, got = trio.run(main)
+        assert bad.served_chunks > 0
+    assert stream_ok(b, m)
+    assert rep.from_relays == 0 and rep.from_learner == len(m.chunks) and rep.fallbacks == len(m.chunks)
+    sd = state_dict()
+    assert torch.equal(got["a"], sd["a"].to(torch.bfloat16)) and torch.equal(got["i"], sd["i"])
+
+
+def test_a_relay_that_never_gets_the_version_hands_over_after_its_patience(publisher):
+    m = publisher.publish(1, state_dict())
+    b = ReceiveBuffer()
+    with RelayServer("tcp://127.0.0.1:0") as empty:
+        async def main():
+            rep = PullReport()
+            await pull_into(publisher.endpoint, m, b, relays=[empty.endpoint], report=rep, relay_patience_s=0.2)
+            return rep
+
+        rep = trio.run(main)
+    assert stream_ok(b, m) and rep.from_learner == len(m.chunks) and rep.dead_relays == []

@@ -1,0 +1,93 @@
+"""Relay source assignment: tree shape, learner egress bound, re-assignment when an actor
+leaves, delivery in Welcome and HeartbeatAck."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from learner import relaytree
+from learner.service import LearnerService, ServiceParts
+from protocol.messages import Goodbye, Heartbeat, HeartbeatAck, Hello, Welcome
+from tests.unit.test_learner_service import FakePublisher, FakeSchedule, FakeTrainer, MemCheckpointer, make_cfg
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 33])
+def test_tree_shape_and_egress_bound(n, fanout):
+    eps = [f"tcp://10.0.0.{i}:1" for i in range(n)]
+    from_learner = [i for i in range(n) if not relaytree.sources(eps, i, fanout, 99)]
+    assert from_learner == list(range(min(n, fanout)))  # the learner serves at most `fanout` copies
+    assert relaytree.learner_children(n, fanout) == len(from_learner)
+    children = {}
+    for i in range(n):
+        p = relaytree.parent(i, fanout)
+        assert p < i  # parents registered earlier: joins never change existing actors' sources
+        children[p] = children.get(p, 0) + 1
+    assert max(children.values()) <= fanout  # no relay uploads more than `fanout` copies
+    full = [relaytree.sources(eps, i, fanout, 99) for i in range(n)]
+    assert max(len(s) for s in full) + 1 == relaytree.depth(n, fanout)
+    for i, s in enumerate(full):  # ancestors, nearest first, capped by hops
+        assert relaytree.sources(eps, i, fanout, 2) == s[:2]
+        if s:
+            assert s[0] == eps[relaytree.parent(i, fanout)]
+
+
+def test_chain_and_binary_tree():
+    eps = list("abcdefg")
+    assert [relaytree.sources(eps, i, 1, 2) for i in range(4)] == [[], ["a"], ["b", "a"], ["c", "b"]]
+    assert [relaytree.sources(eps, i, 2, 3) for i in range(7)] == [[], [], ["a"], ["a"], ["b"], ["b"], ["c", "a"]]
+    assert relaytree.depth(16, 2) == 4 and relaytree.depth(16, 1) == 16
+
+
+def service(**over):
+    cfg = make_cfg(**over)
+    trainer = FakeTrainer()
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
+                         checkpointer=MemCheckpointer(trainer, []), model_path="/m")
+    return LearnerService(cfg, parts)
+
+
+def hello(name, relay=True):
+    return Hello(actor_id=name, host="h", pid=1, engine="sim", device="cpu", max_groups=1, token=name,
+                 relay_endpoint=f"tcp://{name}:7000" if relay else "")
+
+
+def test_service_assigns_sources_in_welcome_and_reassigns_on_leave():
+    svc = service(**{"learner.relay.fanout": 1, "learner.relay.fallback_hops": 2})
+
+    async def main():
+        w = {}
+        for name, relay in (("a", True), ("local", False), ("b", True), ("c", True), ("d", True)):
+            w[name] = svc.handle(hello(name, relay), identity=name.encode())
+            assert isinstance(w[name], Welcome)
+        assert w["a"].weight_sources == [] and w["local"].weight_sources == []  # root child; no relay: direct pull
+        assert w["b"].weight_sources == ["tcp://a:7000"]
+        assert w["d"].weight_sources == ["tcp://c:7000", "tcp://b:7000"]
+        svc.handle(Goodbye(actor_id="b"), identity=b"b")
+        ack = svc.handle(Heartbeat(actor_id="c", lease_ids=[], policy_version=0), identity=b"c")
+        assert isinstance(ack, HeartbeatAck) and ack.weight_sources == ["tcp://a:7000"]
+        ack = svc.handle(Heartbeat(actor_id="d", lease_ids=[], policy_version=0), identity=b"d")
+        assert ack.weight_sources == ["tcp://c:7000", "tcp://a:7000"]
+
+    trio.run(main)
+
+
+def test_relays_off_is_the_star():
+    svc = service(**{"learner.relay.enabled": "false"})
+
+    async def main():
+        for name in "abc":
+            assert svc.handle(hello(name), identity=name.encode()).weight_sources == []
+
+    trio.run(main)
+
+
+def test_a_bad_relay_endpoint_is_refused():
+    svc = service()
+
+    async def main():
+        bad = Hello(actor_id="x", host="h", pid=1, engine="sim", device="cpu", max_groups=1, relay_endpoint="ipc:///tmp/x")
+        assert svc.handle(bad, identity=b"x").code == "bad_message"
+
+    trio.run(main)
