@@ -120,7 +120,7 @@ from protocol.messages import (
     WeightManifest,
     Welcome,
 )
-from protocol.transport import AsyncSocket, CurveKeys, Requester, configure
+from protocol.transport import AsyncSocket, CurveKeys, Requester, configure, generate_curve_keys
 
 if TYPE_CHECKING:
     from common.curve import CurveSetup
@@ -268,8 +268,10 @@ class Actor:
     """This process's ``Hello.token`` (keeps its actor id across reconnects)."""
     sources: list[str] = field(default_factory=list)
     """Relays to ask for weight chunks before the learner (``Welcome``/``HeartbeatAck.weight_sources``)."""
-    _relay_socks: dict[str, AsyncSocket] = field(default_factory=dict)
-    """This session's DEALERs to ``sources`` (closed with the session)."""
+    source_keys: dict[str, str] = field(default_factory=dict)
+    """CURVE public key of each of ``sources`` ("" or absent: a plain relay)."""
+    _relay_socks: dict[tuple[str, str], AsyncSocket] = field(default_factory=dict)
+    """This session's DEALERs to ``sources``, by (endpoint, key) (closed with the session)."""
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
@@ -449,7 +451,8 @@ class Actor:
         relay = self.deps.relay
         hello = Hello(actor_id=self.actor_id, host=pysocket.gethostname(), pid=os.getpid(), engine=self.engine_name,
                       device=self.device, max_groups=self.cfg.max_groups, token=self._token,
-                      relay_endpoint=relay.endpoint if relay is not None else "")
+                      relay_endpoint=relay.endpoint if relay is not None else "",
+                      relay_public_key=getattr(relay, "public_key", "") if relay is not None else "")
         backoff = 0.2
         while True:
             try:
@@ -480,7 +483,7 @@ class Actor:
                 url = self.cfg.env_url or ep.url
                 self.pools[ep.name] = EnvPool(self.deps.make_env_client(url, ep.flavor))
         self.target = welcome.policy
-        self.sources = list(welcome.weight_sources)
+        self._set_sources(welcome.weight_sources, welcome.weight_source_keys)
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
@@ -620,7 +623,7 @@ class Actor:
                 ack = await self._request(req, hb, HeartbeatAck)
             except LearnerStopped:
                 return  # the lease loop ends the session (goodbye)
-            self.sources = list(ack.weight_sources)
+            self._set_sources(ack.weight_sources, ack.weight_source_keys)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)
                 if scope is not None:
@@ -720,12 +723,24 @@ class Actor:
         log.info("applied weights version %d in %.2fs", policy.version, time.monotonic() - t0)
         self._poke()
 
+    def _set_sources(self, endpoints: list[str], keys: list[str]) -> None:
+        self.sources = list(endpoints)
+        self.source_keys = {ep: k for ep, k in zip(endpoints, keys) if k}
+
     def _relay_sock(self, endpoint: str) -> AsyncSocket:
-        """This session's DEALER to another actor's relay (made on first use)."""
+        """This session's DEALER to another actor's relay (made on first use).  A relay that
+        serves CURVE (its key came with the sources, from the authenticated learner) is
+        reached with CURVE: with this actor's own key pair when it has one, else a throwaway
+        pair (a relay authenticates no client: it only serves what any actor may pull)."""
         assert self._ctx is not None
-        s = self._relay_socks.get(endpoint)
+        key = self.source_keys.get(endpoint, "")
+        s = self._relay_socks.get((endpoint, key))
         if s is None:
-            s = self._relay_socks[endpoint] = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=None))
+            curve = None
+            if key:
+                own = self.curve.server() if self.curve is not None else generate_curve_keys()
+                curve = CurveKeys(public=own.public, secret=own.secret, server_public=key.encode())
+            s = self._relay_socks[(endpoint, key)] = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=curve))
             s.sock.connect(endpoint)
         return s
 

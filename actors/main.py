@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from actors.engine import Engine
     from actors.envpool import EnvClientLike, PooledSession
     from actors.weight_sync import ReceiveBuffer
+    from common.curve import CurveSetup
     from common.renderer import Renderer
     from protocol.messages import Lease, SamplingParams, TrajectoryGroup, WeightManifest, Welcome
     from protocol.transport import AsyncSocket
@@ -138,8 +139,10 @@ def relay_address(cfg: ActorConfig) -> str:
         return ""
 
 
-def start_relay(cfg: ActorConfig) -> Any:
+def start_relay(cfg: ActorConfig, curve: CurveSetup | None = None) -> Any:
     """This actor's ``RelayServer`` (``actors/relay.py``), or None (``relay_address``).
+    With CURVE towards the learner (``curve``), the relay serves CURVE with the actor's own
+    key pair (its public key goes out in ``Hello.relay_public_key``).
     ``TURNSCALE_TEST_RELAY_CORRUPT=1`` makes it serve corrupted bytes (tests only)."""
     host = relay_address(cfg)
     if not host:
@@ -147,7 +150,7 @@ def start_relay(cfg: ActorConfig) -> Any:
     from actors.relay import RelayServer
     from protocol.transport import tcp_endpoint
 
-    return RelayServer(tcp_endpoint(host, cfg.relay_port), curve=None,
+    return RelayServer(tcp_endpoint(host, cfg.relay_port), curve=curve.server() if curve is not None else None,
                        corrupt=os.environ.get("TURNSCALE_TEST_RELAY_CORRUPT") == "1")
 
 
@@ -178,7 +181,7 @@ def build_actor(cfg: Config) -> Actor:
     make_runtime = RuntimeBuilder(engine_cfg=cfg.engine, actor_id=actor_id, sampling=latest_sampling)
     # 3. env client factory, 4. weight pull
     deps = ActorDeps(make_runtime=make_runtime, make_env_client=env_client, pull=pull_into, new_buffer=new_receive_buffer,
-                     relay=start_relay(cfg.actor))
+                     relay=start_relay(cfg.actor, curve))
     # 5. runtime: the actor loop (``Actor.run``) drives all of it
     actor = Actor(cfg=cfg.actor, deps=deps, engine_name=cfg.engine.name, device=cfg.engine.device, actor_id=actor_id,
                   curve=curve)

@@ -94,6 +94,8 @@ class RelayServer:
         else:
             self._sock.bind(endpoint)
         self.endpoint = endpoint
+        self.public_key = curve.public.decode() if curve is not None else ""
+        """Advertised in ``Hello.relay_public_key``: CURVE clients need it to connect."""
         self._thread = threading.Thread(target=self._serve, name="relay-router", daemon=True)
         self._thread.start()
 

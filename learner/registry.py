@@ -55,6 +55,8 @@ class ActorInfo:
     stats: dict[str, float] = field(default_factory=dict)
     relay_endpoint: str = ""
     """``Hello.relay_endpoint``: where it serves weight chunks to other actors (empty: none)."""
+    relay_public_key: str = ""
+    """``Hello.relay_public_key``: the relay's CURVE public key (empty: a plain relay)."""
 
 
 def hello_problem(msg: Hello) -> str:
@@ -71,6 +73,9 @@ def hello_problem(msg: Hello) -> str:
     ep = msg.relay_endpoint
     if ep and (len(ep) > MAX_NAME_CHARS or not ep.startswith("tcp://") or not ep.isprintable() or ":" not in ep[6:]):
         return f"relay_endpoint must be empty or tcp://host:port (at most {MAX_NAME_CHARS} characters)"
+    key = msg.relay_public_key
+    if key and (len(key) != 40 or not key.isprintable() or not ep):
+        return "relay_public_key must be empty or a 40-character z85 CURVE key (with a relay_endpoint)"
     return ""
 
 
@@ -107,7 +112,8 @@ class ActorRegistry:
             return None, ErrorReply(code="too_many_actors", retryable=True,
                                     message=f"the learner serves at most {self.max_actors} actors"), False
         info = ActorInfo(msg.actor_id, msg.host, msg.pid, msg.engine, now, identity=identity, token=msg.token,
-                         max_groups=min(msg.max_groups, MAX_GROUPS_PER_ACTOR), relay_endpoint=msg.relay_endpoint)
+                         max_groups=min(msg.max_groups, MAX_GROUPS_PER_ACTOR), relay_endpoint=msg.relay_endpoint,
+                         relay_public_key=msg.relay_public_key)
         self.actors[msg.actor_id] = info
         return info, None, old is not None
 

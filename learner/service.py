@@ -484,8 +484,9 @@ class LearnerService:
             if a is None:
                 return _not_registered()
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
+            sources = self.weight_sources(msg.actor_id)
             return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now),
-                                weight_sources=self.weight_sources(msg.actor_id))
+                                weight_sources=sources, weight_source_keys=self.relay_keys(sources))
         if isinstance(msg, Goodbye):
             if self.actors.bound(msg.actor_id, identity) is None:
                 return _not_registered()
@@ -532,7 +533,7 @@ class LearnerService:
             transfer_dtype=lc.transfer_dtype, pub_endpoint=tcp_endpoint(lc.host, lc.pub_port),
             weights_endpoint=tcp_endpoint(lc.host, lc.weights_port),
             heartbeat_interval_s=lc.heartbeat_interval_s, policy=self.announcement(),
-            weight_sources=self.weight_sources(msg.actor_id),
+            weight_sources=(sources := self.weight_sources(msg.actor_id)), weight_source_keys=self.relay_keys(sources),
         )
 
     def weight_sources(self, actor_id: str) -> list[str]:
@@ -546,6 +547,11 @@ class LearnerService:
             return []
         eps = [self.actors.actors[a].relay_endpoint for a in ids]
         return relaytree.sources(eps, ids.index(actor_id), rc.fanout, rc.fallback_hops)
+
+    def relay_keys(self, endpoints: list[str]) -> list[str]:
+        """The CURVE public key of each relay endpoint ("" for a plain relay), in order."""
+        keys = {a.relay_endpoint: a.relay_public_key for a in self.actors.values() if a.relay_endpoint}
+        return [keys.get(ep, "") for ep in endpoints]
 
     def _lease_request(self, msg: LeaseRequest, identity: bytes, now: float) -> Any:
         a = self.actors.bound(msg.actor_id, identity)

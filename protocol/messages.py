@@ -282,6 +282,9 @@ class Hello:
     relay_endpoint: str = ""
     """Where this actor serves the weight chunks it holds to other actors (its
     ``RelayServer``, ``tcp://host:port`` reachable by them); empty: it serves none."""
+    relay_public_key: str = ""
+    """The relay's CURVE public key (z85 text) when it serves CURVE (the actor's own key
+    pair); empty: a plain relay."""
     schema_version: int = SCHEMA_VERSION
     """The actor's protocol version (also checked on the envelope)."""
 
@@ -316,6 +319,8 @@ class Welcome:
     weight_sources: list[str] = field(default_factory=list)
     """Relays (other actors' ``relay_endpoint``) to ask for weight chunks before
     ``weights_endpoint``, nearest first; empty: pull from the learner only."""
+    weight_source_keys: list[str] = field(default_factory=list)
+    """The CURVE public key of each of ``weight_sources`` (same order; "" for a plain relay)."""
 
 
 @record
@@ -498,6 +503,8 @@ class HeartbeatAck:
     """Leases the learner no longer holds (expired and re-issued): abandon them."""
     weight_sources: list[str] = field(default_factory=list)
     """The actor's current relays (as ``Welcome.weight_sources``; they change when actors leave)."""
+    weight_source_keys: list[str] = field(default_factory=list)
+    """As ``Welcome.weight_source_keys``."""
 
 
 @record
