@@ -10,6 +10,7 @@ Needs root; skips with the reason elsewhere."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,6 +164,11 @@ def test_roles_on_fake_hosts_survive_join_leave_and_a_cut_link(tmp_path):
                 assert f"actor {a} registered" in learner_log
             # CURVE is on by default off loopback: every connection above was authenticated
             assert "CURVE on:" in learner_log and "INSECURE" not in learner_log
+            # actors on other hosts relay weights to each other (over CURVE too, their relays' keys
+            # handed out by the learner): some chunks came from a relay, not the learner
+            from_relays = [int(x) for a in ("a1", "a2", "a3")
+                           for x in re.findall(r"weight_chunks_from_relays=(\d+)", _text(logs[a]))]
+            assert sum(from_relays) > 0, f"no weight chunk came through a relay: {from_relays}"
             prefix = c.prefix
         assert not leftovers(prefix), leftovers(prefix)
         assert all(p.poll() is not None for p in c.procs)
