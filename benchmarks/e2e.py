@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from benchmarks.common import Result, result
+from protocol.transport import free_port
 from benchmarks.e2e_stats import RunStats, load_run, read_jsonl
 from benchmarks.makespan import ideal_speedup, lockstep_makespan, work_conserving_makespan
 
@@ -93,12 +93,6 @@ class RunSpec:
     @property
     def slots(self) -> int:
         return self.actors * self.max_groups
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def envhub_args(workload: Workload, port: int) -> list[str]:

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,11 +22,9 @@ import time
 import urllib.request
 from typing import Iterator
 
+from protocol.transport import free_port  # re-exported: tests and the probe import it from here
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["envhub_server", "free_port", "stop", "wait_healthy"]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:

@@ -255,10 +255,44 @@ def tcp_endpoint(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for tests and the one-machine launcher)."""
+    """A port that was free a moment ago (for tests and the one-machine launcher).
+
+    Chosen at random *outside* the kernel's ephemeral range and never twice in one process:
+    a port the kernel picked for ``bind(0)`` is in the range it also draws outgoing
+    connections' source ports from, so another process's connection could take it before
+    the caller binds it (seen on a loaded CI machine: a learner failed with "Address already
+    in use").  Falls back to ``bind(0)`` if no port outside the range is free."""
+    import random
     import socket
 
+    lo, hi = _ephemeral_range()
+    spans = [(r0, r1) for r0, r1 in ((20000, lo - 1), (hi + 1, 65535)) if r1 - r0 >= 1000]
+    for _ in range(200 if spans else 0):
+        r0, r1 = random.choice(spans)
+        port = random.randint(r0, r1)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

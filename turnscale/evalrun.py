@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any, Awaitable, Callable, Iterator, Protocol
 import numpy as np
 
 from common.procs import stop_process
+from protocol.transport import free_port
 
 
 class EvalNotBuilt(RuntimeError):
@@ -176,12 +176,6 @@ def plan(task_ids: list[int], samples: int, turn_limits: list[int]) -> list[tupl
 # ----------------------------------------------------------------------------- env server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _healthy(url: str, path: str = "/health") -> bool:
     try:
         with urllib.request.urlopen(url.rstrip("/") + path, timeout=2) as r:
@@ -203,7 +197,7 @@ def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0, flavo
                                f"'turnscale envhub env={env_name}' or drop env.url to let eval start one")
         yield url
         return
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     from turnscale.launch import option_overrides
 

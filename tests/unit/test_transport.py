@@ -503,3 +503,19 @@ def test_maxmsgsize_drops_an_oversize_message_and_the_receiver_keeps_working(ctx
 def test_socket_limits_are_applied(ctx):
     s = configure(ctx.socket(zmq.DEALER), SocketLimits(max_message_bytes=1234, sndhwm=7, rcvhwm=9, linger_ms=0))
     assert (s.getsockopt(zmq.MAXMSGSIZE), s.getsockopt(zmq.SNDHWM), s.getsockopt(zmq.RCVHWM), s.getsockopt(zmq.LINGER)) == (1234, 7, 9, 0)
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_never_handed_out_twice():
+    """A ``bind(0)`` port lies in the range outgoing connections draw their source ports
+    from, so under load another process's connection took one before a learner bound it
+    ("Address already in use" in CI); ``free_port`` picks outside that range."""
+    import socket
+
+    from protocol.transport import _ephemeral_range
+
+    lo, hi = _ephemeral_range()
+    ports = [free_port() for _ in range(100)]
+    assert len(set(ports)) == len(ports)
+    assert not any(lo <= p <= hi for p in ports), (lo, hi, sorted(ports)[:5])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # and it is free
