@@ -195,6 +195,16 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def live_rss_mb(pid: int) -> float | None:
+    """``rss_mb`` of a running process; None once it has exited (no ``/proc`` entry, or a
+    zombie not yet reaped, which has no VmRSS).  Actors now exit as soon as the learner
+    answers them ``Shutdown``, while the learner still lingers for goodbyes."""
+    try:
+        return rss_mb(pid)
+    except (OSError, RuntimeError):
+        return None
+
+
 # ----------------------------------------------------------------------------- elastic
 
 
@@ -425,8 +435,9 @@ def test_slow_learner_bounds_leases_staleness_and_actor_memory(cluster_factory):
         while learner.alive():
             assert time.monotonic() < deadline, "the slow learner did not finish"
             for a in actors:
-                if a.alive():
-                    peak[a.name] = max(peak[a.name], rss_mb(a.pid))
+                rss = live_rss_mb(a.pid)
+                if rss is not None:
+                    peak[a.name] = max(peak[a.name], rss)
             time.sleep(0.5)
         assert learner.popen.returncode == 0, learner.tail()
 
