@@ -72,6 +72,7 @@ from conf.schema import Config
 from learner import relaytree
 from learner.leases import LeaseManager, Ready
 from learner.runstate import RunState
+from learner.signal import SignalWatch
 from learner.registry import ActorRegistry, short
 from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
@@ -182,6 +183,7 @@ class LearnerService:
         self.actors = ActorRegistry(max_actors=lc.max_actors, silent_s=3 * lc.heartbeat_interval_s)
         """Registered actors, each bound to its connection (``learner.registry``)."""
         self.metrics = StepMetrics()
+        self.signal = SignalWatch()  # warns when almost every group has equal rewards (no RL signal)
         self.stopping = False
         self.done = False
         self._have_groups = trio.Event()
@@ -394,6 +396,10 @@ class LearnerService:
         for r in ready:
             self._ledger(r, "trained", self.step)
             record_trained(m, r.group, self.version - r.oldest)
+            warning = self.signal.observe([ep.reward for ep in r.group.episodes], [ep.success for ep in r.group.episodes])
+            if warning:
+                log.warning("%s", warning)
+        m.add("rollout/equal_reward_frac", self.signal.fraction, "last")
         m.add("perf/step_time_s", t1 - t0, "last")
         m.add("perf/tokens_trained", tokens, "sum")
         m.add("perf/tokens_trained_per_s", tokens / max(t1 - t0, 1e-9), "last")
