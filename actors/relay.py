@@ -43,9 +43,9 @@ import numpy as np
 import zmq
 
 from protocol import codec
-from protocol.errors import ProtocolError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.transport import CurveKeys, SocketLimits, configure, split_router_frames
+from protocol.router import read_request, serve_router
+from protocol.transport import CurveKeys, SocketLimits, configure
 
 log = logging.getLogger(__name__)
 
@@ -145,38 +145,18 @@ class RelayServer:
 
     # ------------------------------------------------------------------ serving thread
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                timeout = self._poll_ms
-                if self._pending:
-                    timeout = max(0, min(timeout, int((min(d for d, _, _ in self._pending) - time.monotonic()) * 1000) + 1))
-                ready = dict(poller.poll(timeout))
-                if self._wake_rx in ready:
-                    while True:
-                        try:
-                            self._wake_rx.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                if self._pending:
-                    self._retry_pending()
-                if self._sock in ready:
-                    while True:
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._answer(frames)
-            except zmq.ZMQError as exc:
-                if self._stop.is_set() or exc.errno == zmq.ETERM:
-                    return
-                log.exception("relay ROUTER error; continuing")
-            except Exception:
-                log.exception("relay ROUTER: unexpected error answering a request")
+        serve_router(self._sock, self._stop, self._answer, poll_ms=self._poll_ms, log=log, name="relay", wake=self._wake_rx,
+                     tick=self._retry_pending, timeout_ms=self._next_deadline_ms)
+
+    def _next_deadline_ms(self) -> int | None:
+        """Milliseconds to the nearest held request's deadline (None: none held)."""
+        if not self._pending:
+            return None
+        return int((min(d for d, _, _ in self._pending) - time.monotonic()) * 1000) + 1
 
     def _retry_pending(self) -> None:
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         now = time.monotonic()
         for deadline, prefix, req in pending:
@@ -185,15 +165,10 @@ class RelayServer:
             self._wanted = bool(self._pending)
 
     def _answer(self, frames: list) -> None:
-        try:
-            prefix, body = split_router_frames(frames)
-            req = codec.decode(body, expect=WeightChunkRequest)
-        except ProtocolError as exc:
-            if len(frames) >= 2:
-                self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *codec.encode(
-                    ErrorReply(code="bad_message", message=f"expected a WeightChunkRequest: {exc}"))])
-            return
-        self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s)
+        got = read_request(self._sock, frames, WeightChunkRequest)
+        if got is not None:
+            prefix, req = got
+            self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s)
 
     def _reply(self, prefix: list, req: WeightChunkRequest, *, hold: bool, deadline: float) -> None:
         """Send the chunk if held and verified; else hold the request (until ``deadline``),
