@@ -103,6 +103,10 @@ from protocol.transport import AsyncSocket, CurveKeys, SocketLimits, configure, 
 log = logging.getLogger("turnscale.learner")
 
 
+SUSPECT_HEARTBEATS = 2.5
+"""A relay silent for this many heartbeat intervals is left out of other actors' sources."""
+
+
 class TrainerLike(Protocol):
     step: int
 
@@ -548,7 +552,12 @@ class LearnerService:
         rc = self.cfg.learner.relay
         if not rc.enabled:
             return []
-        ids = [a.actor_id for a in self.actors.values() if a.relay_endpoint]
+        # A relay that missed heartbeats is not offered (a pull from it would cost a timeout
+        # per version) long before the actor is forgotten (lease_ttl_s); it is again once heard.
+        quiet = SUSPECT_HEARTBEATS * self.cfg.learner.heartbeat_interval_s
+        now = trio.current_time()
+        ids = [a.actor_id for a in self.actors.values()
+               if a.relay_endpoint and (a.actor_id == actor_id or now - a.last_seen <= quiet)]
         if actor_id not in ids:
             return []
         eps = [self.actors.actors[a].relay_endpoint for a in ids]

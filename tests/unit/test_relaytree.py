@@ -91,3 +91,24 @@ def test_a_bad_relay_endpoint_is_refused():
         assert svc.handle(bad, identity=b"x").code == "bad_message"
 
     trio.run(main)
+
+
+def test_a_relay_that_missed_heartbeats_is_not_offered_until_heard_again():
+    """A dead relay would cost every child a relay timeout per version until the learner forgets
+    the actor (lease_ttl_s, a minute by default); after 2.5 silent heartbeat intervals it is
+    left out of the sources, and is offered again once it heartbeats."""
+    svc = service(**{"learner.relay.fanout": 1, "learner.relay.fallback_hops": 2,
+                     "learner.heartbeat_interval_s": 1.0, "learner.lease_ttl_s": 60.0})
+
+    async def main():
+        for name in "abc":
+            assert isinstance(svc.handle(hello(name), identity=name.encode()), Welcome)
+        beat = lambda n: svc.handle(Heartbeat(actor_id=n, lease_ids=[], policy_version=0), identity=n.encode())  # noqa: E731
+        assert beat("c").weight_sources == ["tcp://b:7000", "tcp://a:7000"]
+        svc.actors.actors["b"].last_seen -= 3.0  # b missed three heartbeats: not forgotten (60 s), but suspect
+        assert beat("c").weight_sources == ["tcp://a:7000"]
+        assert "b" in svc.actors.actors
+        assert beat("b").weight_sources == ["tcp://a:7000"]  # b itself still gets its sources
+        assert beat("c").weight_sources == ["tcp://b:7000", "tcp://a:7000"]
+
+    trio.run(main)
