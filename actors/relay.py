@@ -44,6 +44,7 @@ import zmq
 
 from protocol import codec
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from protocol.curve import AllowedKeys, ZapAuthenticator
 from protocol.router import read_request, serve_router
 from protocol.transport import CurveKeys, SocketLimits, configure
 
@@ -63,7 +64,17 @@ class RelayServer:
 
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(),
                  curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False, hold_s: float = 0.5) -> None:
-        self._ctx = context or zmq.Context.instance()
+        self._own_ctx: zmq.Context | None = None
+        self._auth: ZapAuthenticator | None = None
+        self.clients: AllowedKeys | None = None
+        """With CURVE: the client keys admitted (ZAP), set by ``allow_clients``; none until then."""
+        if curve is not None:
+            # ZAP is per context: the relay's own, so no other socket of the actor is affected
+            self._ctx = self._own_ctx = zmq.Context()
+            self.clients = AllowedKeys(log, "weight relay")
+            self._auth = ZapAuthenticator(self._ctx, provider=self.clients)
+        else:
+            self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._held: dict[Hashable, _Held] = {}
         self.hold_s = hold_s
@@ -120,6 +131,12 @@ class RelayServer:
             except zmq.ZMQError:
                 pass  # a wake-up is already queued (or we are closing): the thread will look anyway
 
+    def allow_clients(self, keys: list[str]) -> None:
+        """The CURVE public keys allowed to pull (the learner's ``relay_clients``); every
+        other CURVE client fails the handshake.  No effect on a plain relay."""
+        if self.clients is not None:
+            self.clients.set(keys)
+
     def withdraw(self, key: Hashable) -> None:
         with self._lock:
             self._held.pop(key, None)
@@ -136,6 +153,10 @@ class RelayServer:
         for sock in (self._sock, self._wake_rx, self._wake_tx):
             if not sock.closed:
                 sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_ctx is not None:
+            self._own_ctx.term()
 
     def __enter__(self) -> "RelayServer":
         return self

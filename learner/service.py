@@ -496,7 +496,8 @@ class LearnerService:
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
             sources = self.weight_sources(msg.actor_id)
             return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now),
-                                weight_sources=sources, weight_source_keys=self.relay_keys(sources))
+                                weight_sources=sources, weight_source_keys=self.relay_keys(sources),
+                                relay_clients=self.relay_clients(msg.actor_id))
         if isinstance(msg, Goodbye):
             if self.actors.bound(msg.actor_id, identity) is None:
                 return _not_registered()
@@ -544,6 +545,7 @@ class LearnerService:
             weights_endpoint=tcp_endpoint(lc.host, lc.weights_port),
             heartbeat_interval_s=lc.heartbeat_interval_s, policy=self.announcement(),
             weight_sources=(sources := self.weight_sources(msg.actor_id)), weight_source_keys=self.relay_keys(sources),
+            relay_clients=self.relay_clients(msg.actor_id),
         )
 
     def weight_sources(self, actor_id: str) -> list[str]:
@@ -562,6 +564,15 @@ class LearnerService:
             return []
         eps = [self.actors.actors[a].relay_endpoint for a in ids]
         return relaytree.sources(eps, ids.index(actor_id), rc.fanout, rc.fallback_hops)
+
+    def relay_clients(self, actor_id: str) -> list[str]:
+        """Who may pull from ``actor_id``'s CURVE relay: the public keys of the other registered
+        actors that serve a CURVE relay (and so pull with that key pair; the learner admitted
+        each of them through ZAP).  Empty when relays are off or its relay is plain."""
+        me = self.actors.actors.get(actor_id)
+        if not self.cfg.learner.relay.enabled or me is None or not me.relay_public_key:
+            return []
+        return sorted({a.relay_public_key for a in self.actors.values() if a.relay_public_key and a.actor_id != actor_id})
 
     def relay_keys(self, endpoints: list[str]) -> list[str]:
         """The CURVE public key of each relay endpoint ("" for a plain relay), in order."""
