@@ -30,7 +30,9 @@ marks the instance broken; the client replaces it); a session found broken at ``
 replaced there.  ``GET /expert`` is the oracle's next action (``envhub.web_oracle``).
 
 Options (``env.options``): ``chromium`` (path, default ``/usr/bin/chromium``),
-``obs_max_tokens`` (default 2048), ``nav_timeout_s`` (default 20), ``num_tasks`` (default 4400).
+``obs_max_tokens`` (default 2048), ``nav_timeout_s`` (default 20), ``num_tasks`` (default 4400),
+``viewport_only`` (default true, WebArena's ``current_viewport_only``: only elements inside the
+1280x720 window are listed, so ``scroll`` shows more of a long page).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from envhub.base import AgentGymShape, ResetResult, StepResult
 from envhub.options import read_options
@@ -51,7 +53,8 @@ from envhub.web_oracle import WebOracle
 from envhub.web_tasks import evaluate, needs_state, task
 from envhub.webarena_actions import ActionError, extract_action, format_action, parse_action
 
-OPTIONS: dict[str, Any] = {"chromium": "/usr/bin/chromium", "obs_max_tokens": 2048, "nav_timeout_s": 20.0, "num_tasks": 4400}
+OPTIONS: dict[str, Any] = {"chromium": "/usr/bin/chromium", "obs_max_tokens": 2048, "nav_timeout_s": 20.0, "num_tasks": 4400,
+                           "viewport_only": True}
 """Every option this family reads, with its default (documented in the module docstring)."""
 CHARS_PER_TOKEN = 4
 
@@ -123,7 +126,7 @@ class WebEnv:
         assert s is not None and self.task is not None
 
         async def grab() -> tuple[str, str, str]:
-            return await tab_titles(s), await accessibility_tree(s), s.page.url
+            return await tab_titles(s), await accessibility_tree(s, self.fam.viewport_only), s.page.url
 
         tabs, tree, url = self.fam.pool.call(grab(), timeout_s=self.fam.nav_timeout_s + 10)
         self.url = url
@@ -210,12 +213,13 @@ class WebFamily:
     agentgym = AgentGymShape()
 
     def __init__(self, chromium: str = "/usr/bin/chromium", obs_max_tokens: int = 2048, nav_timeout_s: float = 20.0,
-                 num_tasks: int = 4400) -> None:
+                 num_tasks: int = 4400, viewport_only: bool = True) -> None:
         if num_tasks < 1:
             raise ValueError("config key 'env.options.num_tasks': must be >= 1")
         if obs_max_tokens < 64:
             raise ValueError("config key 'env.options.obs_max_tokens': must be >= 64")
         self.n_tasks, self.obs_max_tokens, self.nav_timeout_s = num_tasks, obs_max_tokens, nav_timeout_s
+        self.viewport_only = bool(viewport_only)
         self.pool = BrowserPool(chromium, nav_timeout_s=nav_timeout_s)
         try:
             self.sites = SiteProcess()
@@ -241,4 +245,48 @@ class WebFamily:
 
 def make_family(cfg) -> WebFamily:
     o = read_options(cfg.options, OPTIONS, "web")
-    return WebFamily(str(o["chromium"]), int(o["obs_max_tokens"]), float(o["nav_timeout_s"]), int(o["num_tasks"]))
+    return _family(o)
+
+
+def _family(o: dict[str, Any]) -> WebFamily:
+    if not isinstance(o["viewport_only"], bool):
+        raise ValueError(f"config key 'env.options.viewport_only': expected true or false, got {o['viewport_only']!r}")
+    return WebFamily(str(o["chromium"]), int(o["obs_max_tokens"]), float(o["nav_timeout_s"]), int(o["num_tasks"]), o["viewport_only"])
+
+
+def seed_task_ids(seeds: range) -> list[int]:
+    """Every task id of the world seeds ``seeds`` (``TASKS_PER_SEED`` each): ``turnscale run``'s
+    warm-up / train / test files for ``env=web``."""
+    from envhub.web_tasks import TASKS_PER_SEED
+
+    return [s * TASKS_PER_SEED + k for s in seeds for k in range(TASKS_PER_SEED)]
+
+
+def play_oracle(task_ids: list[int], max_turns: int = 30, options: dict | None = None) -> Iterator[tuple[int, list[tuple[str, str]], bool, float, str]]:
+    """Play the oracle on ``task_ids`` in process with one family (one browser): yields
+    ``(data_idx, [(observation, action), ...], success, return, template)`` per task (warm-start
+    conversations; the oracle-solves-every-task check)."""
+    from envhub.web_oracle import OracleLost
+
+    o = read_options({k: v for k, v in (options or {}).items() if k in OPTIONS}, OPTIONS, "web")  # not the client's keys
+    fam = _family(o)
+    try:
+        env = fam.create()
+        for idx in task_ids:
+            obs = env.reset(idx).observation
+            steps, success, ret = [], False, 0.0
+            try:
+                for _ in range(max_turns):
+                    action = env.expert_action()
+                    steps.append((obs, action))
+                    out = env.step(action)
+                    obs, ret = out.observation, ret + out.reward
+                    if out.done:
+                        success = bool(out.info["success"])
+                        break
+            except OracleLost:
+                success = False
+            yield idx, steps, success, ret, env.task.template
+        env.close()
+    finally:
+        fam.close()

@@ -209,12 +209,31 @@ class BrowserPool:
 
 
 # -- observation ------------------------------------------------------------------------------
-async def accessibility_tree(s: Session) -> str:
+async def _visible(cdp: Any) -> Any:
+    """``backend node id -> bool`` (in the viewport), from one DOM snapshot's layout bounds
+    (document coordinates) and the window's scroll offset and size; nodes without a layout box
+    count as visible (structure such as the document itself)."""
+    snap = await cdp.send("DOMSnapshot.captureSnapshot", {"computedStyles": []})
+    win = (await cdp.send("Runtime.evaluate", {"expression": "[scrollX, scrollY, innerWidth, innerHeight]", "returnByValue": True}))
+    sx, sy, ww, wh = win["result"]["value"]
+    doc = snap["documents"][0]
+    backend = doc["nodes"]["backendNodeId"]
+    inside: dict[int, bool] = {}
+    for idx, (x, y, w, h) in zip(doc["layout"]["nodeIndex"], doc["layout"]["bounds"]):
+        vis = not (x + w < sx or y + h < sy or x > sx + ww or y > sy + wh)
+        inside[backend[idx]] = inside.get(backend[idx], False) or vis
+    return lambda b: inside.get(b, True)
+
+
+async def accessibility_tree(s: Session, viewport_only: bool = True) -> str:
     """The active page's accessibility tree in WebArena's text format (``[id] role 'name' props``,
-    tab-indented), pruned and cleaned as WebArena does; records the ids in ``s.nodes``."""
+    tab-indented), pruned and cleaned as WebArena does; records the ids in ``s.nodes``.  With
+    ``viewport_only`` (WebArena's ``current_viewport_only``) nodes whose layout box lies outside
+    the window are left out (their children keep their own test), so ``scroll`` reveals more."""
     cdp = await s.context.new_cdp_session(s.page)
     try:
         tree = (await cdp.send("Accessibility.getFullAXTree"))["nodes"]
+        visible = await _visible(cdp) if viewport_only else (lambda b: True)
     finally:
         await cdp.detach()
     by_id = {n["nodeId"]: n for n in tree}
@@ -226,7 +245,7 @@ async def accessibility_tree(s: Session) -> str:
         if n is None:
             return
         role = n.get("role", {}).get("value", "")
-        valid = not n.get("ignored", False) and role != "InlineTextBox"
+        valid = not n.get("ignored", False) and role != "InlineTextBox" and visible(n.get("backendDOMNodeId"))
         if valid:
             name = str(n.get("name", {}).get("value", ""))
             props = [f"{p['name']}: {p['value'].get('value')}" for p in n.get("properties", [])

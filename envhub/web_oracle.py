@@ -11,6 +11,9 @@ Plan steps (each becomes one or more actions):
 - ``("read_click", role, regex)`` -> click the element whose name group 1 of the regex reads;
 - ``("stop", answer)``.
 
+When what a step needs is not in the observation (below the window, with ``viewport_only``), the
+oracle scrolls down, at most ``MAX_SCROLLS`` times per step, before giving up.
+
 Invariant: the oracle never reads the task's expected answer; answers come from the page.  Call
 ``next_action`` once per turn and execute what it returns (it advances on the assumption that the
 action is executed).  ``OracleLost`` when the page lacks what the plan needs.
@@ -19,6 +22,9 @@ action is executed).  ``OracleLost`` when the page lacks what the plan needs.
 from __future__ import annotations
 
 import re
+
+
+MAX_SCROLLS = 4
 
 
 class OracleLost(RuntimeError):
@@ -32,9 +38,21 @@ def element_id(obs: str, role: str, name: str) -> int | None:
 
 class WebOracle:
     def __init__(self, plan: tuple[tuple, ...]) -> None:
-        self.plan, self.pos = plan, 0
+        self.plan, self.pos, self.scrolls = plan, 0, 0
+
+    def _missing(self, what: str) -> str:
+        if self.scrolls >= MAX_SCROLLS:
+            raise OracleLost(f"{what} not on the page")
+        self.scrolls += 1
+        return "scroll [down]"
 
     def next_action(self, obs: str) -> str:
+        action = self._next(obs)
+        if action != "scroll [down]":
+            self.scrolls = 0
+        return action
+
+    def _next(self, obs: str) -> str:
         if self.pos >= len(self.plan):
             return "stop []"
         step = self.plan[self.pos]
@@ -45,22 +63,22 @@ class WebOracle:
         if kind == "read_stop":
             m = re.search(step[1], obs)
             if not m:
-                raise OracleLost(f"pattern {step[1]!r} not on the page")
+                return self._missing(f"pattern {step[1]!r}")
             self.pos += 1
             return f"stop [{m.group(1)}]"
         if kind == "read_click":
             m = re.search(step[2], obs)
             if not m:
-                raise OracleLost(f"pattern {step[2]!r} not on the page")
+                return self._missing(f"pattern {step[2]!r}")
             step = ("click", step[1], m.group(1))
         eid = element_id(obs, step[1], step[2])
         if kind == "find_click" and eid is None:
             nxt = element_id(obs, "link", "Next page")
             if nxt is None:
-                raise OracleLost(f"{step[1]} {step[2]!r} not found on any page")
+                return self._missing(f"{step[1]} {step[2]!r} or a 'Next page' link")
             return f"click [{nxt}]"
         if eid is None:
-            raise OracleLost(f"{step[1]} {step[2]!r} not on the page")
+            return self._missing(f"{step[1]} {step[2]!r}")
         self.pos += 1
         if kind == "type":
             return f"type [{eid}] [{step[3]}] [{1 if step[4] else 0}]"

@@ -7,7 +7,7 @@ import pytest
 
 from envhub.web import truncate_tree
 from envhub.web_data import N_POSTS, N_PRODUCTS, world
-from envhub.web_oracle import OracleLost, WebOracle, element_id
+from envhub.web_oracle import MAX_SCROLLS, OracleLost, WebOracle, element_id
 from envhub.web_tasks import TASKS_PER_SEED, TEMPLATES, Evaluator, evaluate, task
 
 
@@ -71,8 +71,10 @@ def test_oracle_reads_ids_and_answers_from_the_page_text():
     assert o.next_action(PAGE) == "click [20]"  # not on this page: next page, same step
     assert o.next_action(PAGE + "\n\t[30] link 'Blue Mug'") == "click [30]"
     assert o.next_action(PAGE) == "stop [$5.10]"
+    lost = WebOracle((("click", "button", "Upvote"),))
+    assert [lost.next_action(PAGE) for _ in range(MAX_SCROLLS)] == ["scroll [down]"] * MAX_SCROLLS  # below the window?
     with pytest.raises(OracleLost):
-        WebOracle((("click", "button", "Upvote"),)).next_action(PAGE)
+        lost.next_action(PAGE)
 
 
 def test_over_long_tree_is_cut_at_a_line_within_the_budget():
