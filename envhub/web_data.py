@@ -1,4 +1,5 @@
-"""Seeded content of the local web sites (``env=web``): a shop and a forum, generated from one
+"""Seeded content of the local web sites (``env=web``): a shop, a forum and a code-hosting site
+(projects and their issues), generated from one
 integer seed.  Pure: no I/O, no global RNG.
 
 Invariants:
@@ -23,6 +24,9 @@ N_PRODUCTS = 320
 N_CUSTOMERS = 40
 N_POSTS = 420
 N_FORUM_USERS = 48
+N_PROJECTS = 30
+N_ISSUES = 400
+N_DEVELOPERS = 24
 PAGE_SIZE = 20
 
 _ADJ = ("Amber", "Brisk", "Cobalt", "Dusky", "Ember", "Frost", "Golden", "Hazel", "Ivory", "Jade",
@@ -41,6 +45,12 @@ _TOPIC = ("tomatoes", "sourdough", "gear ratios", "night shots", "sci-fi novels"
           "spices", "commuting", "film cameras", "libraries", "packing lists")
 _FRAME = ("Question about {t}", "My experience with {t}", "Tips for {t}", "Beginner help: {t}",
           "Is it worth it: {t}", "Weekly thread on {t}", "Unpopular opinion on {t}", "Best guide to {t}")
+_PROJ_A = ("swift", "tiny", "open", "rusty", "quiet", "bright", "lazy", "mega", "nano", "deep")
+_PROJ_B = ("parser", "cache", "router", "scheduler", "renderer", "compiler", "indexer", "crawler", "logger", "shell")
+_ISSUE = ("Crash when {x}", "Slow {x}", "Docs missing for {x}", "Add support for {x}", "Wrong output from {x}",
+          "Flaky test in {x}", "Memory leak in {x}", "Refactor {x}")
+_THING = ("the config loader", "unicode input", "large files", "the CLI", "empty lists", "timeouts", "the REST API",
+          "Windows paths", "retries", "the plugin system", "dark mode", "nested tables")
 _WORDS = ("really", "think", "season", "budget", "easy", "tried", "result", "friends", "cheap",
           "quality", "weekend", "advice", "works", "first", "better", "slowly", "again", "simple")
 
@@ -77,6 +87,16 @@ class Post:
 
 
 @dataclass(frozen=True)
+class Issue:
+    id: int
+    project: str
+    title: str
+    author: str
+    body: str
+    open: bool
+
+
+@dataclass(frozen=True)
 class World:
     """All content of one seed.  ``products``/``posts`` are indexed by id (``products[i].id == i``)."""
 
@@ -90,6 +110,9 @@ class World:
     """Initial comments as ``(post_id, author, text)``."""
     orders: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]
     """Initial orders as ``(customer, ((product_id, qty), ...))``."""
+    projects: tuple[str, ...] = ()
+    developers: tuple[User, ...] = ()
+    issues: tuple[Issue, ...] = ()
     _by_name: dict = field(default_factory=dict, compare=False, repr=False)
 
     def initial_state(self) -> dict:
@@ -102,13 +125,16 @@ class World:
                       for p in self.posts],
             "comments": [{"post": p, "author": a, "text": t} for p, a, t in self.comments],
             "votes": [],
+            "issue_events": [],
+            "issues": [{"id": i.id, "project": i.project, "title": i.title, "author": i.author, "body": i.body, "open": i.open}
+                       for i in self.issues],
         })
 
     def product_named(self, name: str) -> Product:
         return next(p for p in self.products if p.name == name)
 
     def user(self, name: str) -> User:
-        return next(u for u in (*self.customers, self.admin, *self.forum_users) if u.name == name)
+        return next(u for u in (*self.customers, self.admin, *self.forum_users, *self.developers) if u.name == name)
 
 
 def _users(rng: random.Random, n: int, tag: str) -> tuple[User, ...]:
@@ -150,4 +176,18 @@ def world(seed: int) -> World:
     orders = tuple(
         (rng.choice(customers).name, tuple((rng.randrange(N_PRODUCTS), rng.randrange(1, 4)) for _ in range(rng.randrange(1, 4))))
         for _ in range(60))
-    return World(seed, products, customers, admin, forum_users, posts, comments, orders)
+    projects: list[str] = []
+    while len(projects) < N_PROJECTS:
+        name = f"{rng.choice(_PROJ_A)}-{rng.choice(_PROJ_B)}"
+        if name not in projects:
+            projects.append(name)
+    developers = _users(rng, N_DEVELOPERS, "code")
+    ititles: list[str] = []
+    while len(ititles) < N_ISSUES:
+        t = rng.choice(_ISSUE).format(x=rng.choice(_THING)) + f" #{rng.randrange(100, 999)}"
+        if t not in ititles:
+            ititles.append(t)
+    issues = tuple(Issue(i, rng.choice(projects), t, rng.choice(developers).name,
+                         " ".join(rng.choice(_WORDS) for _ in range(16)), rng.random() < 0.6)
+                   for i, t in enumerate(ititles))
+    return World(seed, products, customers, admin, forum_users, posts, comments, orders, tuple(projects), developers, issues)

@@ -1,4 +1,5 @@
-"""The local web sites of ``env=web``: a shop and a forum, plain server-rendered HTML, served by
+"""The local web sites of ``env=web``: a shop, a forum and a code-hosting site, plain
+server-rendered HTML, served by
 one sibling process of the env server (``python -m envhub.web_sites``) on 127.0.0.1.
 
 Isolation: every env instance browses its own copy of the sites, a *world* (``tsworld``
@@ -12,7 +13,9 @@ Pages (``/shop``: home + search, ``/shop/catalogue?page=&cat=&q=`` paginated, ``
 with an add-to-cart form, ``/shop/cart`` + ``Place order``, ``/shop/orders``, ``/shop/login``,
 ``/shop/admin`` for the admin user; ``/forum``: forum list, ``/forum/f/<name>?page=``,
 ``/forum/post/<id>`` with votes and comments, ``/forum/user/<name>``, ``/forum/submit``,
-``/forum/login``).  State changes only through POST forms (then 303 to a page: PRG).
+``/forum/login``; ``/code``: paginated project list, ``/code/p/<name>`` with its issues filtered by
+state, ``/code/issue/<id>`` with ``Close issue`` / ``Reopen issue`` forms, ``/code/search?q=``
+over issue titles, ``/code/login``).  State changes only through POST forms (then 303 to a page: PRG).
 
 The process prints ``PORT <n>`` on stdout once it listens and exits when its parent dies.
 """
@@ -60,6 +63,9 @@ def _page(title: str, site: str, user: str | None, body: str) -> str:
     if site == "shop":
         nav = ('<a href="/shop/">Home</a> <a href="/shop/catalogue">Catalogue</a> <a href="/shop/cart">Cart</a> '
                '<a href="/shop/orders">My orders</a> <a href="/shop/admin">Admin</a> ')
+    elif site == "code":
+        nav = ('<a href="/code/">Projects</a> <form method="get" action="/code/search">' + _input("q", "Search issues")
+               + '<button type="submit">Search</button></form> ')
     else:
         nav = '<a href="/forum/">Forums</a> <a href="/forum/submit">Submit a new post</a> '
     nav += f'<span>Signed in as {e(user)}</span>' if user else f'<a href="/{site}/login">Log in</a>'
@@ -157,8 +163,8 @@ class Handler(BaseHTTPRequestHandler):
             if path.startswith("/_control/"):
                 return self._control(method, path, query)
             if path in ("", "/"):
-                return self._send(200, _page("Sites", "forum", None,
-                                             '<ul><li><a href="/shop/">Shop</a></li><li><a href="/forum/">Forum</a></li></ul>'))
+                return self._send(200, _page("Sites", "forum", None, '<ul><li><a href="/shop/">Shop</a></li><li><a href="/forum/">Forum</a></li>'
+                                                                 '<li><a href="/code/">Code</a></li></ul>'))
             cookies = self._cookies()
             w = self.server.worlds.get(cookies.get("tsworld", ""))
             if w is None:
@@ -166,7 +172,7 @@ class Handler(BaseHTTPRequestHandler):
             site = path.split("/")[1] if path.count("/") >= 1 else ""
             user = w["sessions"].get(cookies.get(f"ts_{site}", ""))
             fn = getattr(self, f"_{site}_{method.lower()}", None)
-            if site not in ("shop", "forum") or fn is None:
+            if site not in ("shop", "forum", "code") or fn is None:
                 return self._send(404, _page("Not found", "shop", None, "<p>No such page.</p>"))
             form = self._form_data() if method == "POST" else {}
             with self.server.worlds.lock:
@@ -176,7 +182,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _login(self, w: dict, site: str, form: dict) -> None:
         wd: World = w["world"]
-        users = (*wd.customers, wd.admin) if site == "shop" else wd.forum_users
+        users = {"shop": (*wd.customers, wd.admin), "forum": wd.forum_users, "code": wd.developers}[site]
         u = next((x for x in users if x.name == form.get("username", "").strip()), None)
         if u is None or u.password != form.get("password", "").strip():
             return self._send(200, _page("Log in", site, None, "<p role=alert>Wrong user name or password.</p>" + _login_form(site)))
@@ -321,6 +327,65 @@ class Handler(BaseHTTPRequestHandler):
                 st["comments"].append({"post": x["id"], "author": user, "text": form["text"][:2000]})
             return self._redirect(f"/forum/post/{x['id']}")
         return self._send(404, _page("Not found", "forum", user, "<p>No such page.</p>"))
+
+
+    # -- code hosting ---------------------------------------------------------------------
+    def _code_get(self, w: dict, user: str | None, path: str, q: dict, form: dict) -> None:
+        wd: World = w["world"]
+        st = w["state"]
+        p = lambda title, body: self._send(200, _page(title, "code", user, body))  # noqa: E731
+
+        def paged(rows: list[str], base: str, head: str) -> str:
+            n_pages = max(1, -(-len(rows) // PAGE_SIZE))
+            page = min(max(1, int(q.get("page", "1"))), n_pages)
+            return f"<table>{head}{''.join(rows[(page - 1) * PAGE_SIZE: page * PAGE_SIZE])}</table>" + _pager(base, page, n_pages)
+
+        def issue_rows(items: list[dict]) -> list[str]:
+            return [f'<tr><td><a href="/code/issue/{i["id"]}">{e(i["title"])}</a></td><td>{e(i["author"])}</td>'
+                    f'<td>{"open" if i["open"] else "closed"}</td></tr>' for i in items]
+
+        head = "<tr><th>Issue</th><th>Author</th><th>Status</th></tr>"
+        if path == "/":
+            rows = [f'<tr><td><a href="/code/p/{x}">{x}</a></td><td>{sum(1 for i in st["issues"] if i["project"] == x and i["open"])}</td></tr>'
+                    for x in wd.projects]
+            return p("Projects", paged(rows, "/code/", "<tr><th>Project</th><th>Open issues</th></tr>"))
+        if path.startswith("/p/"):
+            name = path.split("/")[2]
+            if name not in wd.projects:
+                raise ValueError(f"no project {name!r}")
+            state = q.get("state", "open")
+            items = [i for i in st["issues"] if i["project"] == name and i["open"] == (state == "open")]
+            n_open = sum(1 for i in st["issues"] if i["project"] == name and i["open"])
+            n_closed = sum(1 for i in st["issues"] if i["project"] == name and not i["open"])
+            links = f'<a href="/code/p/{name}?state=open">Open issues</a> <a href="/code/p/{name}?state=closed">Closed issues</a>'
+            return p(f"Project {name}", f"<p>{n_open} open issues, {n_closed} closed issues</p><div>{links}</div>"
+                     + paged(issue_rows(items), f"/code/p/{name}?state={state}", head))
+        if path.startswith("/issue/"):
+            i = st["issues"][int(path.split("/")[2])]
+            action = _form(f"/code/issue/{i['id']}/{'close' if i['open'] else 'reopen'}", "", "Close issue" if i["open"] else "Reopen issue")
+            return p(i["title"], f'<p>Project: <a href="/code/p/{i["project"]}">{i["project"]}</a></p><p>Author: {e(i["author"])}</p>'
+                     f'<p>Status: {"open" if i["open"] else "closed"}</p><p>{e(i["body"])}</p>{action}')
+        if path == "/search":
+            needle = q.get("q", "").strip().lower()
+            items = [i for i in st["issues"] if needle and needle in i["title"].lower()]
+            return p("Search results", f"<p>{len(items)} issues found</p>" + paged(issue_rows(items), f"/code/search?q={quote(q.get('q', ''))}", head))
+        if path == "/login":
+            return p("Log in", _login_form("code"))
+        return self._send(404, _page("Not found", "code", user, "<p>No such page.</p>"))
+
+    def _code_post(self, w: dict, user: str | None, path: str, q: dict, form: dict) -> None:
+        st = w["state"]
+        if path == "/login":
+            return self._login(w, "code", form)
+        if not user:
+            return self._redirect("/code/login")
+        parts = path.split("/")
+        if len(parts) == 4 and parts[1] == "issue" and parts[3] in ("close", "reopen"):
+            i = st["issues"][int(parts[2])]
+            i["open"] = parts[3] == "reopen"
+            st.setdefault("issue_events", []).append({"issue": i["id"], "user": user, "open": i["open"]})
+            return self._redirect(f"/code/issue/{i['id']}")
+        return self._send(404, _page("Not found", "code", user, "<p>No such page.</p>"))
 
 
 def _login_form(site: str) -> str:

@@ -15,7 +15,8 @@ Evaluators (``Evaluator.kind``), WebArena's programmatic kinds:
 - ``url_match``: the final page's path equals ``path`` and its query holds ``query``;
 - ``order_placed``: a new order of ``user`` holds exactly the items ``items`` (state check);
 - ``post_created``: a new post by ``user`` in ``forum`` has the title ``title`` (state check);
-- ``voted``: ``user`` voted ``dir`` on post ``post`` (state check).
+- ``voted``: ``user`` voted ``dir`` on post ``post`` (state check);
+- ``issue_closed``: issue ``issue`` is closed and ``user`` closed it (state check).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from envhub.web_data import CATEGORIES, N_POSTS, PAGE_SIZE, World, world
 
 TASKS_PER_SEED = 40
 TEMPLATES = ("shop_price", "shop_order", "shop_category_page", "shop_admin_order_owner",
-             "forum_author", "forum_create_post", "forum_upvote", "forum_user_page")
+             "forum_author", "forum_create_post", "forum_upvote", "forum_user_page",
+             "code_open_issue_count", "code_close_issue")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class WebTask:
     seed: int
     template: str
     site: str
-    """``shop`` or ``forum``: the site the episode starts on."""
+    """``shop``, ``forum`` or ``code``: the site the episode starts on."""
     objective: str
     start_path: str
     evaluator: Evaluator
@@ -102,6 +104,20 @@ def task(data_idx: int) -> WebTask:
                  Evaluator("must_include", {"expected": [w.orders[k][0]]}),
                  [*_login(w.admin.name, w.admin.password), ("click", "link", "Admin"),
                   ("read_stop", rf"cell 'Order #{k + 1}'\n\s*\[-?\d+\] cell '([^']+)'")])
+    if tpl == "code_open_issue_count":
+        proj = w.projects[rng.randrange(len(w.projects))]
+        n = sum(1 for i in w.issues if i.project == proj and i.open)
+        return T("code", f"How many open issues does the project '{proj}' have on the code site? Answer with a number.", "/code/",
+                 Evaluator("exact", {"expected": str(n)}),
+                 [("find_click", "link", proj), ("read_stop", r"StaticText '(\d+) open issues, ")])
+    if tpl == "code_close_issue":
+        issue = rng.choice([i for i in w.issues if i.open])
+        dev = w.developers[rng.randrange(len(w.developers))]
+        return T("code", f"Log in to the code site as {dev.name} (password {dev.password}) and close the issue titled "
+                 f"'{issue.title}' of the project '{issue.project}'.", "/code/",
+                 Evaluator("issue_closed", {"user": dev.name, "issue": issue.id}),
+                 [*_login(dev.name, dev.password), ("type", "textbox", "Search issues", issue.title, True), ("click", "link", issue.title),
+                  ("click", "button", "Close issue"), ("stop", "")])
     post = _find_post(w, rng)
     find = [("click", "link", post.forum), ("find_click", "link", post.title)]
     if tpl == "forum_author":
@@ -152,8 +168,12 @@ def evaluate(ev: Evaluator, *, answer: str, url: str, state: dict | None) -> boo
                    for x in state["posts"][p["initial_posts"]:])
     if ev.kind == "voted":
         return any(v["post"] == p["post"] and v["user"] == p["user"] and v["dir"] == p["dir"] for v in state["votes"])
+    if ev.kind == "issue_closed":
+        issue = state["issues"][p["issue"]]
+        last = [x for x in state.get("issue_events", []) if x["issue"] == p["issue"]]
+        return not issue["open"] and bool(last) and last[-1] == {"issue": p["issue"], "user": p["user"], "open": False}
     raise ValueError(f"unknown evaluator kind {ev.kind!r}")
 
 
 def needs_state(ev: Evaluator) -> bool:
-    return ev.kind in ("order_placed", "post_created", "voted")
+    return ev.kind in ("order_placed", "post_created", "voted", "issue_closed")

@@ -89,3 +89,18 @@ def test_catalogue_is_paginated_and_searchable(sites):
     hit = b.open("/shop/catalogue?q=" + urllib.parse.quote(name))[1]
     assert name in hit and "Page 1 of 1" in hit
     assert json.loads(json.dumps(sites.control("/_control/state?world=wc")))["stock"]["40"] == world(2).products[40].stock
+
+
+def test_closing_an_issue_needs_a_login_and_is_recorded(sites):
+    w = world(3)
+    dev, issue = w.developers[2], next(i for i in w.issues if i.open)
+    sites.control("/_control/reset", {"world": "wd", "seed": 3})
+    b = _Browser(sites, "wd")
+    status, page = b.open(f"/code/issue/{issue.id}/close", {})
+    assert status == 200 and "Log in" in page and sites.control("/_control/state?world=wd")["issues"][issue.id]["open"]
+    b.open("/code/login", {"username": dev.name, "password": dev.password})
+    assert "Status: closed" in b.open(f"/code/issue/{issue.id}/close", {})[1]
+    state = sites.control("/_control/state?world=wd")
+    assert state["issues"][issue.id]["open"] is False and state["issue_events"] == [{"issue": issue.id, "user": dev.name, "open": False}]
+    hits = b.open("/code/search?q=" + urllib.parse.quote(issue.title))[1]
+    assert "1 issues found" in hits and issue.title in hits

@@ -44,6 +44,9 @@ def test_tasks_are_deterministic_and_cover_every_template_per_seed():
      {"state": {"posts": [{"author": "u", "forum": "travel", "title": "T"}]}}),
     (Evaluator("voted", {"user": "u", "post": 3, "dir": 1}),
      {"state": {"votes": [{"post": 3, "user": "u", "dir": 1}]}}, {"state": {"votes": [{"post": 3, "user": "u", "dir": -1}]}}),
+    (Evaluator("issue_closed", {"user": "u", "issue": 0}),
+     {"state": {"issues": [{"open": False}], "issue_events": [{"issue": 0, "user": "u", "open": False}]}},
+     {"state": {"issues": [{"open": False}], "issue_events": [{"issue": 0, "user": "v", "open": False}]}}),
 ])
 def test_every_evaluator_kind_passes_the_right_episode_and_fails_the_wrong_one(ev, good, bad):
     base = {"answer": "", "url": "http://h/", "state": None}
