@@ -177,3 +177,52 @@ def evaluate(ev: Evaluator, *, answer: str, url: str, state: dict | None) -> boo
 
 def needs_state(ev: Evaluator) -> bool:
     return ev.kind in ("order_placed", "post_created", "voted", "issue_closed")
+
+
+HELD_OUT_TEMPLATES = ("forum_user_page", "code_close_issue")
+"""Templates the template split keeps out of training (one per site kind that has two or more)."""
+TRAIN_SEEDS = range(0, 100)
+TEST_SEEDS = range(100, 110)
+
+
+def split_ids(seeds: range, templates: tuple[str, ...]) -> list[int]:
+    """Task ids of ``templates`` on the world seeds ``seeds``, in id order."""
+    unknown = sorted(set(templates) - set(TEMPLATES))
+    if unknown:
+        raise ValueError(f"unknown web task templates {unknown}; known: {list(TEMPLATES)}")
+    return [s * TASKS_PER_SEED + k for s in seeds for k in range(TASKS_PER_SEED) if template_of(k) in templates]
+
+
+def id_files(held_out: tuple[str, ...] = HELD_OUT_TEMPLATES) -> dict[str, list[dict[str, str]]]:
+    """AgentGym-style id files (``[{"item_id": "web_<N>"}, ...]``, read by ``conf.tasks``) of the
+    splits by seed and by template: ``train`` (train seeds, templates not held out),
+    ``test_seen_templates`` (held-out seeds, the same templates), ``test_unseen_templates``
+    (held-out seeds, the held-out templates)."""
+    seen = tuple(t for t in TEMPLATES if t not in held_out)
+    items = lambda ids: [{"item_id": f"web_{i}"} for i in ids]  # noqa: E731
+    return {"train": items(split_ids(TRAIN_SEEDS, seen)),
+            "test_seen_templates": items(split_ids(TEST_SEEDS, seen)),
+            "test_unseen_templates": items(split_ids(TEST_SEEDS, tuple(held_out)))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m envhub.web_tasks OUT_DIR``: write the id files of ``id_files()`` there."""
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(description="write env=web's train/test id files (splits by seed and by template)")
+    ap.add_argument("out_dir")
+    ap.add_argument("--held-out", default=",".join(HELD_OUT_TEMPLATES), help="comma-separated templates kept out of training")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    for name, items in id_files(tuple(x for x in args.held_out.split(",") if x)).items():
+        path = os.path.join(args.out_dir, f"{name}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(items, f)
+        print(f"{path}: {len(items)} tasks")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

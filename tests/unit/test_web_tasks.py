@@ -86,3 +86,19 @@ def test_over_long_tree_is_cut_at_a_line_within_the_budget():
     body, last = out.rsplit("\n", 1)
     assert len(body) <= 64 * 4 and tree.startswith(body) and last.startswith("[... ") and "more lines truncated" in last
     assert truncate_tree("short", 64) == "short"
+
+
+def test_id_files_split_by_seed_and_by_template_and_parse_as_task_specs(tmp_path):
+    from conf.tasks import parse_task_spec
+    from envhub.web_tasks import HELD_OUT_TEMPLATES, main
+
+    assert main([str(tmp_path)]) == 0
+    specs = {name: parse_task_spec(str(tmp_path / f"{name}.json"), "web")
+             for name in ("train", "test_seen_templates", "test_unseen_templates")}
+    train = [i for i, _ in specs["train"]]
+    assert specs["train"][0] == (0, "web_0") and len(train) == 100 * 32
+    assert all(task(i).template not in HELD_OUT_TEMPLATES and task(i).seed < 100 for i in train[::97])
+    assert {task(i).template for i, _ in specs["test_unseen_templates"]} == set(HELD_OUT_TEMPLATES)
+    assert all(task(i).seed >= 100 for name in specs if name != "train" for i, _ in specs[name])
+    with pytest.raises(ValueError, match="unknown web task templates"):
+        main([str(tmp_path), "--held-out", "nope"])
