@@ -74,7 +74,9 @@ def truncate_tree(tree: str, max_tokens: int) -> str:
 
 
 class SiteProcess:
-    """The sibling process serving the sites: started here, ended by its pid."""
+    """The sibling process serving the sites: started here, ended by its pid (``close``); it also
+    ends when the thread that started it exits (``PR_SET_PDEATHSIG``, so start it from the
+    thread that owns the family, as ``envhub.main`` does) or when its parent process is gone."""
 
     def __init__(self) -> None:
         from common.procs import _die_with_parent
@@ -206,6 +208,12 @@ class WebEnv:
         if self.session is not None:
             s, self.session = self.session, None
             self.fam.pool.close_session(s)
+        if self.task is not None:
+            self.task = None
+            try:
+                self.fam.sites.control("/_control/drop", {"world": self.world_id})
+            except OSError:
+                pass  # the sites process is gone (server shutting down): nothing to free
 
 
 class WebFamily:

@@ -34,7 +34,7 @@ _ADJ = ("Amber", "Brisk", "Cobalt", "Dusky", "Ember", "Frost", "Golden", "Hazel"
 _MATERIAL = ("Steel", "Oak", "Linen", "Ceramic", "Bamboo", "Copper", "Wool", "Glass", "Leather", "Cotton")
 _NOUN = ("Kettle", "Lamp", "Backpack", "Mug", "Blanket", "Chair", "Notebook", "Scarf", "Teapot",
          "Clock", "Vase", "Pillow", "Skillet", "Umbrella", "Wallet", "Candle")
-CATEGORIES = ("Kitchen", "Home", "Outdoor", "Office", "Apparel", "Decor", "Travel", "Garden")
+CATEGORIES = ("Kitchen", "Household", "Outdoor", "Office", "Apparel", "Decor", "Travel", "Garden")
 _FIRST = ("alice", "bruno", "chen", "dana", "emeka", "farah", "goran", "hana", "ivan", "jun",
           "kira", "liam", "mina", "nils", "olga", "pavel", "quinn", "rosa", "sami", "tara",
           "ugo", "vera", "wen", "xena", "yusuf", "zoe")

@@ -4,8 +4,9 @@ one sibling process of the env server (``python -m envhub.web_sites``) on 127.0.
 
 Isolation: every env instance browses its own copy of the sites, a *world* (``tsworld``
 cookie, set by the env in the instance's browser context).  ``POST /_control/reset`` (re)creates
-a world from a seed (``envhub.web_data``), ``GET /_control/state`` returns its mutable state as
-JSON for the evaluators; both need the ``X-Control-Token`` header (the secret the env server
+a world from a seed (``envhub.web_data``), ``POST /_control/drop`` forgets it (instance closed;
+at most ``MAX_WORLDS`` are kept, the oldest dropped first), ``GET /_control/state`` returns its
+mutable state as JSON for the evaluators; both need the ``X-Control-Token`` header (the secret the env server
 passes in ``TS_WEB_TOKEN``), which the browser never sends, so the agent cannot reset or read
 state.  A request without a known world gets a 403 page.
 
@@ -139,6 +140,12 @@ class Handler(BaseHTTPRequestHandler):
             n = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(min(n, MAX_BODY)) or b"{}")
             srv.worlds.reset(str(body["world"]), int(body["seed"]))
+            return self._send(200, "{}", "application/json")
+        if method == "POST" and path == "/_control/drop":
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(min(n, MAX_BODY)) or b"{}")
+            with srv.worlds.lock:
+                srv.worlds.items.pop(str(body["world"]), None)
             return self._send(200, "{}", "application/json")
         if method == "GET" and path == "/_control/state":
             w = srv.worlds.get(query.get("world", ""))

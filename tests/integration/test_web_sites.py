@@ -78,6 +78,10 @@ def test_an_order_placed_through_the_forms_shows_in_that_world_only(sites):
     assert b.open("/shop/cart/add", {"product": "17", "qty": "500"})[0] == 400
     assert b.open("/shop/cart/add", {"product": "99999", "qty": "1"})[0] == 400
     assert sites.control("/_control/state?world=wa") == a_state  # refused, nothing changed
+    sites.control("/_control/drop", {"world": "wa"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        sites.control("/_control/state?world=wa")
+    assert e.value.code == 404 and b.open("/shop/")[0] == 403  # a closed instance's world is gone
 
 
 def test_catalogue_is_paginated_and_searchable(sites):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from envhub.web import truncate_tree
-from envhub.web_data import N_POSTS, N_PRODUCTS, world
+from envhub.web_data import CATEGORIES, FORUMS, N_POSTS, N_PRODUCTS, world
 from envhub.web_oracle import MAX_SCROLLS, OracleLost, WebOracle, element_id
 from envhub.web_tasks import TASKS_PER_SEED, TEMPLATES, Evaluator, evaluate, task
 
@@ -17,6 +17,10 @@ def test_site_content_is_a_pure_function_of_the_seed():
     assert a.products != c.products and a.posts != c.posts
     assert len(a.products) == N_PRODUCTS and len(a.posts) == N_POSTS
     assert len({p.name for p in a.products}) == N_PRODUCTS and len({p.title for p in a.posts}) == N_POSTS
+    nav = {"Home", "Catalogue", "Cart", "My orders", "Admin", "Log in", "Forums", "Submit a new post", "Projects", "Search",
+           "Next page", "Previous page"}
+    names = {*CATEGORIES, *FORUMS, *a.projects, *(p.name for p in a.products), *(p.title for p in a.posts)}
+    assert not names & nav  # a task's link is never confused with a navigation link
     s = a.initial_state()
     s["orders"].append({"id": 999})
     assert a.initial_state() != s  # every copy of the sites starts fresh
@@ -34,8 +38,8 @@ def test_tasks_are_deterministic_and_cover_every_template_per_seed():
 @pytest.mark.parametrize("ev, good, bad", [
     (Evaluator("exact", {"expected": "$12.30"}), {"answer": " $12.30 "}, {"answer": "$12.3"}),
     (Evaluator("must_include", {"expected": ["alice_stone"]}), {"answer": "It was Alice_Stone."}, {"answer": "alice"}),
-    (Evaluator("url_match", {"path": "/shop/catalogue", "query": {"cat": "Home", "page": "3"}}),
-     {"url": "http://h/shop/catalogue?cat=Home&page=3"}, {"url": "http://h/shop/catalogue?cat=Home&page=2"}),
+    (Evaluator("url_match", {"path": "/shop/catalogue", "query": {"cat": "Household", "page": "3"}}),
+     {"url": "http://h/shop/catalogue?cat=Household&page=3"}, {"url": "http://h/shop/catalogue?cat=Household&page=2"}),
     (Evaluator("order_placed", {"user": "u", "items": [[4, 2]], "initial_orders": 1}),
      {"state": {"orders": [{"user": "u", "items": [[1, 1]]}, {"user": "u", "items": [[4, 2]]}]}},
      {"state": {"orders": [{"user": "u", "items": [[4, 2]]}, {"user": "u", "items": [[4, 1]]}]}}),
