@@ -29,6 +29,8 @@ from typing import Any
 
 CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+MAX_TABS = 8
+"""Tabs per instance (bounds an instance's browser memory)."""
 IGNORED_PROPERTIES = ("focusable", "editable", "readonly", "level", "settable", "multiline", "invalid", "url")
 """WebArena's ``IGNORED_ACTREE_PROPERTIES`` plus ``url`` (newer chromium reports every link's URL; the
 page's own URL is in the observation's ``URL:`` line)."""
@@ -355,6 +357,8 @@ async def execute(s: Session, a: Any, nav_timeout_s: float) -> None:
     elif a.kind == "go_forward":
         await page.go_forward(wait_until="load")
     elif a.kind == "new_tab":
+        if len(s.pages) >= MAX_TABS:
+            raise ElementError(f"Cannot open a new tab: at most {MAX_TABS} tabs are allowed; close_tab first.")
         page = await s.context.new_page()
         page.on("crash", lambda _p: setattr(s, "broken", s.broken or "the page crashed"))
         s.pages.append(page)

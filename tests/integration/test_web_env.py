@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from envhub.web import WebFamily
-from envhub.web_browser import BrowserBroken
+from envhub.web_browser import MAX_TABS, BrowserBroken
 from envhub.web_tasks import TEMPLATES, task
 
 CHROMIUM = "/usr/bin/chromium"
@@ -129,6 +129,10 @@ def test_tabs_scroll_history_and_hover_act_on_the_real_browser(family):
     import re
     link = re.search(r"\[(-?\d+)\] link 'cooking'", out.observation).group(1)
     assert env.step(f"```hover [{link}]```").info["valid"]
+    for _ in range(MAX_TABS - 1):
+        assert env.step("```new_tab```").info["valid"]
+    out = env.step("```new_tab```")
+    assert out.observation.startswith(f"Invalid action: Cannot open a new tab: at most {MAX_TABS}") and len(env.session.pages) == MAX_TABS
     env.close()
 
 
