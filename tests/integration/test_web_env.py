@@ -5,6 +5,7 @@ handling.  Skips only when no chromium binary is installed."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
@@ -51,7 +52,7 @@ def test_first_observation_has_webarenas_parts(family):
     r = env.reset(0)
     obs = r.observation
     assert obs.startswith("OBSERVATION:\nTab 0 (current): Shop\n\n[") and "RootWebArea 'Shop' focused: True" in obs
-    assert "\tlink 'Catalogue'" not in obs and "] link 'Catalogue'" in obs
+    assert re.search(r"\n\t\[-?\d+\] link 'Catalogue'\n", obs)  # one tab deep, a numbered id
     assert f"URL: {family.sites.base}/shop/\nOBJECTIVE: {task(0).objective}\nPREVIOUS ACTION: None" in obs
     assert r.info == {"category": "shop_price", "task_id": 0, "site": "shop"}
     env.close()
@@ -126,7 +127,6 @@ def test_tabs_scroll_history_and_hover_act_on_the_real_browser(family):
     out = env.step("```tab_focus [1]```")
     out = env.step("```close_tab```")
     assert "Tab 0 (current): Forums" in out.observation and "Tab 1" not in out.observation
-    import re
     link = re.search(r"\[(-?\d+)\] link 'cooking'", out.observation).group(1)
     assert env.step(f"```hover [{link}]```").info["valid"]
     for _ in range(MAX_TABS - 1):
@@ -153,8 +153,10 @@ def test_a_crashed_page_breaks_only_its_own_instance(fresh_family):
     a, b = fresh_family.create(), fresh_family.create()
     a.reset(0)
     b.reset(1)
-    with pytest.raises(Exception):
+    try:  # the navigation itself fails as the renderer dies
         fresh_family.pool.call(a.session.page.goto("chrome://crash"), timeout_s=30)
+    except Exception:
+        pass
     with pytest.raises(BrowserBroken, match="crashed"):
         a.step("```scroll [down]```")
     assert b.step("```scroll [down]```").info["valid"]
