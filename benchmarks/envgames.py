@@ -9,6 +9,11 @@ Figures (each beside a baseline measured in the same run):
   ``--sciworld-episodes`` episodes run by ``N`` threads on one family with ``N`` pooled JVMs.
 * ``bm25_batched_queries_per_s`` vs single queries, on the shipped SearchQA corpus.
 * ``textcraft_steps_per_s``: solver actions stepped in-process (reported only).
+* ``web_steps_per_s_<N>_instances`` (``env=web``: real chromium, local sites): oracle steps/s,
+  resets included, of ``--web-instances`` instances played by as many threads on one family,
+  vs one instance alone (same family, same tasks); ``web_pss_mib_per_instance``: the browser's
+  PSS (every chromium process) divided by the open instances, vs AgentGym's reported ~1 GB per
+  WebArena instance (lower is better).  Skipped when ``/usr/bin/chromium`` is missing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from benchmarks.common import Result, result
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sciworld-pool", type=int, default=2, help="JVMs in the SciWorld pool")
     parser.add_argument("--sciworld-episodes", type=int, default=4, help="gold-path episodes per measurement")
+    parser.add_argument("--web-instances", type=int, default=4, help="concurrent env=web instances")
+    parser.add_argument("--web-tasks", type=int, default=8, help="oracle episodes per env=web instance")
+    parser.add_argument("--only", default="", help="comma-separated subset: textcraft,bm25,sciworld,web")
 
 
 def _textcraft() -> list[Result]:
@@ -115,7 +123,65 @@ def _sciworld(pool: int, episodes: int) -> list[Result]:
         fam.close()
 
 
+AGENTGYM_WEBARENA_MIB_PER_INSTANCE = 1024.0
+"""AgentGym-RL's reported browser memory per WebArena env instance (~1 GB)."""
+
+
+def _web(instances: int, tasks: int) -> list[Result]:
+    import os
+
+    if not os.path.exists("/usr/bin/chromium"):
+        print("envgames: /usr/bin/chromium missing; web entry skipped (scripts/setup.sh installs it as root)")
+        return []
+    from envhub.web import WebFamily
+    from envhub.web_tasks import TASKS_PER_SEED
+
+    fam = WebFamily()
+    try:
+        envs = [fam.create() for _ in range(instances)]
+
+        def play(env, first: int, n: int, counts: list[int]) -> None:
+            for k in range(n):
+                env.reset(first + k)
+                for _ in range(40):
+                    counts.append(1)
+                    if env.step(env.expert_action()).done:
+                        break
+
+        base_counts: list[int] = []
+        t0 = time.perf_counter()
+        play(envs[0], 100 * TASKS_PER_SEED, tasks, base_counts)
+        base = len(base_counts) / (time.perf_counter() - t0)
+        counts: list[int] = []
+        threads = [threading.Thread(target=play, args=(e, 100 * TASKS_PER_SEED, tasks, counts)) for e in envs]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+        par = len(counts) / (time.perf_counter() - t0)
+        mib = fam.pool.memory_bytes() / instances / 2**20
+        for e in envs:
+            e.close()
+        return [
+            result(f"web_steps_per_s_{instances}_instances", par, "steps/s incl. resets", "1 instance alone", base),
+            result("web_pss_mib_per_instance", mib, "MiB", "AgentGym WebArena (reported)", AGENTGYM_WEBARENA_MIB_PER_INSTANCE,
+                   target=2.0, lower_is_better=True),
+        ]
+    finally:
+        fam.close()
+
+
 def run(args: argparse.Namespace) -> list[Result]:
-    out = _textcraft() + _bm25()
-    out += _sciworld(getattr(args, "sciworld_pool", 2), getattr(args, "sciworld_episodes", 4))
+    only = {x for x in getattr(args, "only", "").split(",") if x}
+    want = lambda name: not only or name in only  # noqa: E731
+    out: list[Result] = []
+    if want("textcraft"):
+        out += _textcraft()
+    if want("bm25"):
+        out += _bm25()
+    if want("sciworld"):
+        out += _sciworld(getattr(args, "sciworld_pool", 2), getattr(args, "sciworld_episodes", 4))
+    if want("web"):
+        out += _web(getattr(args, "web_instances", 4), getattr(args, "web_tasks", 8))
     return out

@@ -93,6 +93,21 @@ _SPECS = (
     ),
 )
 
+_SPECS += (
+    EnvSpec(
+        name="web", server="web:make_family", action_format="backticks", agentgym_prefix="web",
+        prompt=(
+            "You are a web agent on local web sites (a shop and a forum). Each observation holds the "
+            "page's accessibility tree with numbered elements, the URL, the objective and your "
+            "previous action. Issue one action per turn inside a triple-back-tick block, e.g. "
+            "```click [12]```, ```type [7] [text] [1]``` (1 presses Enter), ```hover [12]```, "
+            "```press [Enter]```, ```scroll [down]```, ```new_tab```, ```tab_focus [0]```, "
+            "```close_tab```, ```goto [url]```, ```go_back```, ```go_forward```, and "
+            "```stop [answer]``` when done (empty answer when the task asks for no answer)."
+        ),
+    ),
+)
+
 ENVS: dict[str, EnvSpec] = {s.name: s for s in _SPECS}
 """Env name -> its spec, in registration order."""
 

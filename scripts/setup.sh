@@ -21,11 +21,11 @@ if ! command -v java >/dev/null 2>&1; then
 fi
 
 if ! command -v chromium >/dev/null 2>&1; then
-  # The viewer's browser tests drive Debian's chromium through Playwright (never `playwright install`).
+  # env=web and the viewer's browser tests drive Debian's chromium through Playwright (never `playwright install`).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
   else
-    echo "setup: chromium not found; the viewer's browser tests will skip (apt-get install chromium chromium-driver)" >&2
+    echo "setup: chromium not found; env=web and the viewer's browser tests will skip (apt-get install chromium chromium-driver)" >&2
   fi
 fi
 

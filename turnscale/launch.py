@@ -2,7 +2,8 @@
 
 ``run(cfg)`` reads top to bottom:
 
-1. task files for the run's BabyAI level mix (warm-up, train, held-out test seeds);
+1. task files for the run's task mix (BabyAI levels, or ``env=web``'s world seeds;
+   warm-up, train, held-out test seeds);
 2. oracle conversations for the warm start, and the tiny model built on their text
    (``model.path=tiny``; any other ``model.path`` is used as it is);
 3. warm start: ``turnscale learner algo=sft`` on those conversations (offline SFT);
@@ -34,6 +35,17 @@ from conf.schema import Config
 from common.procs import ChildFailed, ProcessGroup, wait_http_ok
 
 DEFAULT_EXPERIMENT = "run_babyai"
+
+
+def default_experiment(overrides: Sequence[str]) -> str:
+    """``run_<env>`` when the command line names an env that has such an experiment file
+    (``turnscale run env=web`` -> ``experiment=run_web``), else ``DEFAULT_EXPERIMENT``."""
+    import conf
+
+    env = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("env=")), "")
+    if env and (Path(conf.__file__).parent / "experiment" / f"run_{env}.yaml").exists():
+        return f"run_{env}"
+    return DEFAULT_EXPERIMENT
 
 
 # ----------------------------------------------------------------------------- config
@@ -109,6 +121,19 @@ def task_ids(levels: Sequence[int], seeds: str) -> list[int]:
     return [lvl + 40 * s for s in _range(seeds) for lvl in levels]
 
 
+def run_task_mix(env) -> tuple[Any, str]:
+    """``(seeds 'a:b' -> task ids, description)`` of the run's task mix: BabyAI's levels
+    (``env.options.levels``) per seed, or every task of each world seed for ``env=web``."""
+    if env.name == "web":
+        from envhub.web import seed_task_ids
+
+        return (lambda seeds: seed_task_ids(_range(seeds))), "web sites (every template per world seed)"
+    from envhub.babyai import run_levels
+
+    levels = run_levels(env.options)
+    return (lambda seeds: task_ids(levels, seeds)), f"{len(levels)} BabyAI levels"
+
+
 def write_tasks(path: Path, ids: Sequence[int]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(list(ids)))
@@ -166,20 +191,19 @@ class Launcher:
         from common.tinymodel import ensure_model
         from turnscale.warmstart import corpus_from_conversations, oracle_conversations, write_conversations
 
-        from envhub.babyai import run_levels
-
         rc, env = self.cfg.run, self.cfg.env
-        levels = run_levels(env.options)
+        ids_of, mix = run_task_mix(env)
         tasks_dir = self.dir / "tasks"
         files = {
-            "warmup": write_tasks(tasks_dir / "warmup.json", task_ids(levels, rc.warmup_seeds)),
-            "train": write_tasks(tasks_dir / "train.json", task_ids(levels, rc.train_seeds)),
-            "test": write_tasks(tasks_dir / "test.json", task_ids(levels, rc.test_seeds)),
+            "warmup": write_tasks(tasks_dir / "warmup.json", ids_of(rc.warmup_seeds)),
+            "train": write_tasks(tasks_dir / "train.json", ids_of(rc.train_seeds)),
+            "test": write_tasks(tasks_dir / "test.json", ids_of(rc.test_seeds)),
         }
         sft_path = self.dir / "warmstart" / "conversations.jsonl"
         warm_ids = json.loads(Path(files["warmup"]).read_text())[: rc.warm_start.episodes]
-        n = write_conversations(sft_path, oracle_conversations(env.name, warm_ids, max_turns=rc.warm_start.max_turns))
-        self.say(f"warm start data: {n} oracle conversations on {len(levels)} BabyAI levels -> {sft_path}")
+        n = write_conversations(sft_path, oracle_conversations(env.name, warm_ids, max_turns=rc.warm_start.max_turns,
+                                                               options=dict(env.options)))
+        self.say(f"warm start data: {n} oracle conversations on {mix} -> {sft_path}")
         model_path = ensure_model(self.cfg.model, lambda: corpus_from_conversations(sft_path))
         self.say(f"model: {model_path}")
         return files, str(sft_path), model_path
@@ -374,6 +398,6 @@ def main(argv: Sequence[str] = ()) -> int:
 
     overrides = list(argv)
     if not any(o.lstrip("+").startswith("experiment=") for o in overrides):
-        overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
+        overrides.insert(0, f"experiment={default_experiment(overrides)}")
     cfg = conf.load(overrides)
     return run(cfg)

@@ -1,8 +1,8 @@
 """Warm-start data for ``turnscale run``: oracle conversations and the tokenizer corpus.
 
 A random model cannot act and no pretrained one can be downloaded here, so the default
-run first fine-tunes (``algo=sft``) on conversations played by the BabyAI oracle
-(``envhub.babyai_oracle``), written in ``learner.sft_data``'s JSONL format.  The same
+run first fine-tunes (``algo=sft``) on conversations played by the env's oracle (BabyAI's
+``envhub.babyai_oracle``; ``env=web``'s ``envhub.web_oracle``), written in ``learner.sft_data``'s JSONL format.  The same
 texts (instruction, observations, actions) train the tiny model's tokenizer, so the
 vocabulary fits the env.
 """
@@ -16,23 +16,47 @@ from typing import Iterable, Sequence
 from common.prompts import initial_messages, instruction
 
 
-def oracle_conversations(env: str, task_ids: Sequence[int], *, max_turns: int) -> Iterable[dict]:
-    """One conversation per task the oracle solves within ``max_turns`` (failures are skipped)."""
+def assistant_text(env: str, action: str) -> str:
+    """An action as the model writes it in ``env``'s action format (``conf.envs``)."""
+    from conf.envs import env_spec
+
+    fmt = env_spec(env).action_format
+    if fmt == "backticks":
+        return f"```{action}```"
+    if fmt == "action_line":
+        return f"Action: {action}"
+    raise ValueError(f"env {env!r} (action format {fmt!r}) has no oracle conversations")
+
+
+def oracle_runs(env: str, task_ids: Sequence[int], *, max_turns: int, options: dict | None = None) -> Iterable[tuple]:
+    """``(data_idx, [(observation, action), ...], success, return, category)`` per task, played
+    by the env's built-in oracle (BabyAI's, or ``env=web``'s scripted solver)."""
+    if env == "web":
+        from envhub.web import play_oracle as play_web
+
+        yield from play_web(list(task_ids), max_turns, options)
+        return
     if env != "babyai":
         raise ValueError(f"env {env!r} has no built-in oracle; give recorded conversations to algo=sft instead")
     from envhub.babyai import play_oracle
 
-    prompt = instruction(env)
     for idx in task_ids:
         run = play_oracle(idx, max_turns)
-        if not run.success or not run.steps:
+        yield idx, list(run.steps), run.success, run.reward, run.level
+
+
+def oracle_conversations(env: str, task_ids: Sequence[int], *, max_turns: int, options: dict | None = None) -> Iterable[dict]:
+    """One conversation per task the oracle solves within ``max_turns`` (failures are skipped)."""
+    prompt = instruction(env)
+    for idx, steps, success, ret, category in oracle_runs(env, task_ids, max_turns=max_turns, options=options):
+        if not success or not steps:
             continue
-        messages = initial_messages(prompt, run.steps[0][0])
-        for k, (_, action) in enumerate(run.steps):
-            messages.append({"role": "assistant", "content": f"Action: {action}"})
-            if k + 1 < len(run.steps):
-                messages.append({"role": "user", "content": run.steps[k + 1][0]})
-        yield {"messages": messages, "env": env, "data_idx": int(idx), "reward": run.reward, "success": True, "category": run.level}
+        messages = initial_messages(prompt, steps[0][0])
+        for k, (_, action) in enumerate(steps):
+            messages.append({"role": "assistant", "content": assistant_text(env, action)})
+            if k + 1 < len(steps):
+                messages.append({"role": "user", "content": steps[k + 1][0]})
+        yield {"messages": messages, "env": env, "data_idx": int(idx), "reward": ret, "success": True, "category": category}
 
 
 def write_conversations(path: Path, conversations: Iterable[dict]) -> int:

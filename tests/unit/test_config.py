@@ -4,13 +4,13 @@ import conf
 from conf.schema import Config
 
 GROUPS = {
-    "env": ["babyai", "textcraft", "sciworld", "searchqa", "webarena"],
+    "env": ["babyai", "textcraft", "sciworld", "searchqa", "webarena", "web"],
     "algo": ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "sft"],
     "engine": ["hf", "vllm", "vllm_cpu", "sim"],
     "schedule": ["fixed", "scaling"],
     "model": ["tiny", "qwen2_5_7b"],
     "logger": ["default"],
-    "experiment": ["agentgym_babyai", "run_babyai"],
+    "experiment": ["agentgym_babyai", "run_babyai", "run_web"],
 }
 
 
@@ -29,6 +29,15 @@ def test_every_group_file_is_listed_here():
     for group, opts in GROUPS.items():
         found = sorted(p.name[:-5] for p in (root / group).iterdir() if p.name.endswith(".yaml"))
         assert found == sorted(opts), group
+
+
+def test_turnscale_run_picks_the_envs_own_experiment():
+    from turnscale.launch import default_experiment
+
+    assert default_experiment(["env=web", "learner.steps=2"]) == "run_web"
+    assert default_experiment([]) == default_experiment(["env=textcraft"]) == "run_babyai"
+    cfg = conf.load(["experiment=run_web"])
+    assert cfg.env.name == "web" and cfg.env.options["obs_max_tokens"] == 1280
 
 
 def test_misspelled_key_names_the_key():
