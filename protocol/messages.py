@@ -37,11 +37,12 @@ import numpy as np
 from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bumped on every incompatible change; a message with another version is rejected.
 (3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
 read them; a lease carries its turn limit and version.  4: weight fan-out through actor
-relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.weight_sources``.)"""
+relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.weight_sources``.  5: out-of-band arrays are
+packed, several to a data frame: the array ext is ``[dtype, shape, frame, offset]``.)"""
 
 FINISH_REASONS = frozenset(
     {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
