@@ -217,6 +217,8 @@ class ActorStats:
     weight_chunks_from_learner: int = 0
     weight_relay_fallbacks: int = 0
     """Chunks a relay failed (dead, slow, refusing, corrupt) that were fetched elsewhere."""
+    weight_chunks_from_shm: int = 0
+    """Chunks copied from the learner's shared-memory segment (actor on the learner's host)."""
 
 
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -692,6 +694,10 @@ class Actor:
             # and the new one is served chunk by chunk as each is verified (actors/relay.py)
             relay.begin(key, policy.manifest, slot.buffer.take(policy.manifest.total_bytes))
             kw["on_chunk"] = lambda i: relay.mark(key, i)
+        if policy.shm_path and self.cfg.weights_shm != "false":  # same host: copy from the learner's segment
+            from protocol.shmweights import SegmentRef
+
+            kw["shm"] = SegmentRef(path=policy.shm_path, token=policy.shm_token)
         report = None
         if kw:
             from actors.weight_sync import PullReport
@@ -708,6 +714,10 @@ class Actor:
                 self.stats.weight_chunks_from_relays += report.from_relays
                 self.stats.weight_chunks_from_learner += report.from_learner
                 self.stats.weight_relay_fallbacks += report.fallbacks
+                self.stats.weight_chunks_from_shm += report.from_shm
+                if report.shm_error and self.cfg.weights_shm == "true":
+                    log.warning("weights v%d: shared-memory segment not used fully (%s); pulled over TCP",
+                                policy.version, report.shm_error)
         engine = self.runtime.engine
         slot.swap = engine.load_weights(policy.version, tensors)  # the engine owns them until released
         try:

@@ -37,6 +37,12 @@ Contract:
   it pulls into a buffer only after the engine released it (``WeightSwap.released``),
   so a pull never writes into memory the engine may still read.  Pass ``copy=True`` to
   get owned tensors instead.
+- Same host (``shm``, a ``protocol.shmweights.SegmentRef`` from the announcement): the
+  chunks are first copied from the learner's shared-memory segment, each checked like a
+  TCP chunk (checksum against the manifest) plus the segment's seqlock (never a chunk of a
+  version being overwritten); ``on_chunk`` is called as for TCP chunks.  Whatever the
+  segment could not give (not openable from here: another host; another token; rewritten
+  meanwhile) is pulled over TCP as usual, and a verified chunk is never written again.
 - A buffer (``ReceiveBuffer``) is allocated once and reused across versions:
   first-touching a fresh buffer every time is ~3x slower (FACTS.md).  Without
   ``buffer`` a pull allocates a fresh one.  One pull at a time per buffer.
@@ -44,8 +50,10 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import struct
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -57,7 +65,10 @@ from protocol import checksums, codec
 from protocol import weights as weights_protocol
 from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from protocol.shmweights import SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
 from protocol.transport import AsyncSocket
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +110,7 @@ class _Pull:
 
     def __init__(self, socks: list[AsyncSocket], manifest: WeightManifest, buf: np.ndarray, timeout_s: float,
                  window: int, max_retries: int, *, relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
-                 on_chunk: Callable[[int], None] | None = None) -> None:
+                 on_chunk: Callable[[int], None] | None = None, have: frozenset[int] = frozenset()) -> None:
         self.socks = socks
         self.m = manifest
         self.buf = buf
@@ -111,7 +122,7 @@ class _Pull:
         self.on_chunk = on_chunk
         n = len(manifest.chunks)
         self.learner = len(socks) - 1
-        self.todo: deque[int] = deque(range(n))
+        self.todo: deque[int] = deque(i for i in range(n) if i not in have)  # ``have``: verified already
         self.later: list[tuple[float, int]] = []  # (not before, index): chunks a relay did not hold yet
         self.inflight: dict[int, tuple[float, int, int]] = {}  # index -> (deadline, attempt, source)
         self.attempts = [0] * n  # attempts at the learner (max_retries applies there)
@@ -120,7 +131,7 @@ class _Pull:
         self.waited_since: dict[int, float] = {}  # first not_yet from the current relay
         self.backoff = [0.002] * n
         self.dead: set[int] = set()  # relays that timed out or failed a send: skipped from now on
-        self.done = 0
+        self.done = len(have)
         self.corrupt: dict[int, str] = {}
         self.error: BaseException | None = None
         self.from_source = [0] * len(socks)  # verified chunks per source
@@ -345,34 +356,105 @@ class PullReport:
     fallbacks: int = 0
     """Chunks a relay failed (dead, timed out, refused, wrong bytes) that were asked elsewhere."""
     dead_relays: list[int] = field(default_factory=list)
+    from_shm: int = 0
+    """Chunks copied from the learner's shared-memory segment (same host)."""
+    shm_error: str = ""
+    """Why the segment gave fewer than all chunks (empty: it gave all, or none was offered)."""
+
+
+_READERS: OrderedDict[tuple[str, str], SegmentReader] = OrderedDict()
+_READERS_LOCK = threading.Lock()
+_MAX_READERS = 4
+"""Mappings kept open (the learner keeps ``keep`` segments, reused across versions)."""
+
+
+def segment_reader(ref: SegmentRef) -> SegmentReader:
+    """A cached read-only mapping of ``ref`` (``SegmentUnavailable`` when it does not open
+    from here); the oldest mapping is dropped beyond ``_MAX_READERS``."""
+    key = (ref.path, ref.token)
+    with _READERS_LOCK:
+        reader = _READERS.get(key)
+        if reader is not None:
+            _READERS.move_to_end(key)
+            return reader
+    reader = SegmentReader(ref)
+    with _READERS_LOCK:
+        _READERS[key] = reader
+        while len(_READERS) > _MAX_READERS:
+            _READERS.popitem(last=False)[1].close()
+    return reader
+
+
+def drop_segment_readers() -> None:
+    """Unmap every cached segment (tests; an actor leaving a learner)."""
+    with _READERS_LOCK:
+        while _READERS:
+            _READERS.popitem()[1].close()
+
+
+async def copy_from_segment(ref: SegmentRef, manifest: WeightManifest, buf: np.ndarray,
+                            on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> set[int]:
+    """Copy and verify ``manifest``'s chunks from the segment into ``buf``; returns the
+    indices that passed (all, or a prefix when the segment stopped holding the version;
+    none when it does not open from here).  Yields to trio between chunks."""
+    have: set[int] = set()
+    try:
+        reader = segment_reader(ref)
+    except SegmentUnavailable as exc:
+        if report is not None:
+            report.shm_error = str(exc)
+        return have
+    for c in manifest.chunks:
+        view = buf[c.offset:c.offset + c.nbytes]
+        try:
+            reader.copy_chunk(manifest.version, c.offset, c.nbytes, c.checksum, manifest.checksum_algo, view)
+        except SegmentChanged as exc:
+            if report is not None:
+                report.shm_error = str(exc)
+            break
+        except ValueError as exc:  # checksum algorithm unknown here
+            raise WeightSyncError(f"cannot verify weights: {exc}") from None
+        have.add(c.index)
+        if on_chunk is not None:
+            on_chunk(c.index)
+        await trio.lowlevel.checkpoint()
+    if report is not None:
+        report.from_shm += len(have)
+    return have
 
 
 async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                        max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
                        relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
-                       on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> dict[str, torch.Tensor]:
+                       on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
+                       shm: SegmentRef | None = None) -> dict[str, torch.Tensor]:
     """Pull every chunk of ``manifest`` (see the module docstring); returns name -> tensor
-    in the manifest's dtypes and shapes.  ``relays`` are asked first, in order; ``sock``
-    (the learner's weights endpoint) last.  ``on_chunk(i)`` is called once chunk ``i`` is
-    in the buffer and verified (a ``RelayServer`` serves it from then on)."""
+    in the manifest's dtypes and shapes.  ``shm`` (same host) is read first, then
+    ``relays``, in order; ``sock`` (the learner's weights endpoint) last.  ``on_chunk(i)``
+    is called once chunk ``i`` is in the buffer and verified (a ``RelayServer`` serves it
+    from then on)."""
     buf = await pull_stream(sock, manifest, timeout_s=timeout_s, window=window, max_retries=max_retries, buffer=buffer,
                             relays=relays, relay_timeout_s=relay_timeout_s, relay_patience_s=relay_patience_s,
-                            on_chunk=on_chunk, report=report)
+                            on_chunk=on_chunk, report=report, shm=shm)
     return tensors_from_buffer(buf, manifest, copy=copy)
 
 
 async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                       max_retries: int = 3, buffer: ReceiveBuffer | None = None, relays: Sequence[AsyncSocket] = (),
                       relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
-                      on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> np.ndarray:
+                      on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
+                      shm: SegmentRef | None = None) -> np.ndarray:
     """``pull_weights`` without the tensors (no torch): the verified stream bytes, a view
     of ``buffer``."""
     if window < 1 or max_retries < 0 or timeout_s <= 0:
         raise ValueError("window >= 1, max_retries >= 0 and timeout_s > 0 are required")
     buf = (buffer or ReceiveBuffer()).take(manifest.total_bytes)
-    if manifest.chunks:
+    have: set[int] = set()
+    if shm is not None and manifest.chunks:
+        have = await copy_from_segment(shm, manifest, buf, on_chunk, report)
+    if len(have) < len(manifest.chunks):
         pull = _Pull([*relays, sock], manifest, buf, timeout_s, window, max_retries, relay_timeout_s=relay_timeout_s,
-                     relay_patience_s=relay_patience_s, on_chunk=on_chunk)
+                     relay_patience_s=relay_patience_s, on_chunk=on_chunk, have=frozenset(have))
         try:
             await pull.run()
         finally:
@@ -386,7 +468,8 @@ async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s:
 
 def pull_weights_blocking(endpoint: str, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                           max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
-                          context: zmq.Context | None = None) -> dict[str, torch.Tensor]:
+                          context: zmq.Context | None = None, shm: SegmentRef | None = None,
+                          report: PullReport | None = None) -> dict[str, torch.Tensor]:
     """``pull_weights`` for thread code: its own DEALER to ``endpoint``, its own trio run."""
     from protocol.transport import configure
 
@@ -398,7 +481,7 @@ def pull_weights_blocking(endpoint: str, manifest: WeightManifest, *, timeout_s:
         sock = AsyncSocket(raw)
         try:
             return await pull_weights(sock, manifest, timeout_s=timeout_s, window=window, max_retries=max_retries,
-                                      buffer=buffer, copy=copy)
+                                      buffer=buffer, copy=copy, shm=shm, report=report)
         finally:
             sock.close()
 
