@@ -49,7 +49,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.shmweights import Segment, SegmentRef
 from protocol.transport import CurveKeys, SocketLimits, configure, split_router_frames
-from protocol.weights import build_manifest, layout, write_tensors
+from protocol.weights import build_manifest, layout, write_and_chunk
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,9 @@ class WeightPublisher:
         buf, seg = self._take_buffer(total)
         if seg is not None:
             seg.begin_write()  # same-host readers refuse every chunk from here on
-        write_tensors(buf, infos, state_dict.values())
+        chunks = write_and_chunk(buf, infos, state_dict.values(), total, self.chunk_bytes, self.checksum_algo)
         manifest = build_manifest(version, self.dtype, buf, infos, total, chunk_bytes=self.chunk_bytes,
-                                  checksum_algo=self.checksum_algo)
+                                  checksum_algo=self.checksum_algo, chunks=chunks)
         if seg is not None:
             seg.end_write(version)
         with self._lock:

@@ -50,6 +50,7 @@ _HEAD = struct.Struct("<8s16s")
 _SEQ_AT = _HEAD.size
 _VERSION_AT = _SEQ_AT + 8
 _U64 = struct.Struct("<Q")
+_PIECE = 1 << 20
 _I64 = struct.Struct("<q")
 
 
@@ -161,8 +162,12 @@ class SegmentReader:
             raise SegmentChanged(f"segment holds version {held}{' (being written)' if seq & 1 else ''}, not {version}")
         if offset < 0 or offset + nbytes > self.capacity:
             raise SegmentChanged(f"chunk [{offset}, {offset + nbytes}) lies outside the {self.capacity}-byte segment")
-        out[:] = self.stream[offset:offset + nbytes]
-        if checksums.checksum(algo, out) != checksum:
+        crc, src = 0, self.stream
+        for p in range(0, nbytes, _PIECE):  # copy and checksum piece by piece, while the piece is in cache
+            piece = out[p:p + _PIECE]
+            piece[:] = src[offset + p:offset + p + piece.nbytes]
+            crc = checksums.update(algo, crc, piece)
+        if crc != checksum:
             raise SegmentChanged(f"chunk at {offset} fails its checksum (overwritten while copied)")
         if self.state()[0] != seq:
             raise SegmentChanged("segment was rewritten while the chunk was copied")
