@@ -694,7 +694,8 @@ class Actor:
             # and the new one is served chunk by chunk as each is verified (actors/relay.py)
             relay.begin(key, policy.manifest, slot.buffer.take(policy.manifest.total_bytes))
             kw["on_chunk"] = lambda i: relay.mark(key, i)
-        if policy.shm_path and self.cfg.weights_shm != "false":  # same host: copy from the learner's segment
+        if policy.shm_path and self.cfg.weights_shm != "false" and "on_chunk" not in kw and "relays" not in kw:
+            # same host: the tensors view the learner's segment, held until released below
             from protocol.shmweights import SegmentRef
 
             kw["shm"] = SegmentRef(path=policy.shm_path, token=policy.shm_token)
@@ -727,6 +728,9 @@ class Actor:
             raise
         if self.cfg.verify_weights:  # released: the buffer is ours again until the next pull
             await self._verify(engine, tensors, policy.manifest)
+        release = getattr(slot.buffer, "release", None)  # ReceiveBuffer (test fakes may have none)
+        if release is not None:
+            release()  # a same-host pull's segment: the learner may reuse it now
         self.applied = (policy.incarnation, policy.version)
         self.stats.weight_pulls += 1
         self.stats.weight_pull_s += time.monotonic() - t0

@@ -38,11 +38,15 @@ Contract:
   so a pull never writes into memory the engine may still read.  Pass ``copy=True`` to
   get owned tensors instead.
 - Same host (``shm``, a ``protocol.shmweights.SegmentRef`` from the announcement): the
-  chunks are first copied from the learner's shared-memory segment, each checked like a
-  TCP chunk (checksum against the manifest) plus the segment's seqlock (never a chunk of a
-  version being overwritten); ``on_chunk`` is called as for TCP chunks.  Whatever the
-  segment could not give (not openable from here: another host; another token; rewritten
-  meanwhile) is pulled over TCP as usual, and a verified chunk is never written again.
+  pull takes a shared lock on the learner's segment for the version (``Hold``), checks
+  every chunk in place against the manifest checksums and returns tensors that view the
+  segment (read-only memory: no copy).  The hold is attached to ``buffer`` and released
+  by ``ReceiveBuffer.release`` or the buffer's next ``take``; until then the learner
+  never rewrites that segment.  When the segment does not open from here (another host,
+  another token), holds another version, is being written or fails a checksum, the
+  version is pulled over TCP into ``buffer`` as usual.  No relays with ``shm``: a relay
+  serves from ``buffer``, which a same-host pull leaves empty (an actor on the learner's
+  host runs no relay, ``actors.main.relay_address``).
 - A buffer (``ReceiveBuffer``) is allocated once and reused across versions:
   first-touching a fresh buffer every time is ~3x slower (FACTS.md).  Without
   ``buffer`` a pull allocates a fresh one.  One pull at a time per buffer.
@@ -65,7 +69,7 @@ from protocol import checksums, codec
 from protocol import weights as weights_protocol
 from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.shmweights import SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
+from protocol.shmweights import Hold, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
 from protocol.transport import AsyncSocket
 
 log = logging.getLogger(__name__)
@@ -85,12 +89,21 @@ class ChecksumMismatch(WeightSyncError):
 
 
 class ReceiveBuffer:
-    """One receive buffer, reused across versions; grows (once) when a version is larger."""
+    """One receive buffer, reused across versions; grows (once) when a version is larger.
+    After a same-host pull it also carries that pull's ``Hold`` on the learner's segment."""
 
     def __init__(self, nbytes: int = 0) -> None:
         self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.hold: Hold | None = None
+
+    def release(self) -> None:
+        """Let go of a same-host pull's segment (the tensors viewing it must be unused)."""
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
 
     def take(self, nbytes: int) -> np.ndarray:
+        self.release()
         if self.buf.nbytes < nbytes:
             self.buf = np.empty(nbytes, dtype=np.uint8)
         return self.buf[:nbytes]
@@ -110,7 +123,7 @@ class _Pull:
 
     def __init__(self, socks: list[AsyncSocket], manifest: WeightManifest, buf: np.ndarray, timeout_s: float,
                  window: int, max_retries: int, *, relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
-                 on_chunk: Callable[[int], None] | None = None, have: frozenset[int] = frozenset()) -> None:
+                 on_chunk: Callable[[int], None] | None = None) -> None:
         self.socks = socks
         self.m = manifest
         self.buf = buf
@@ -122,7 +135,7 @@ class _Pull:
         self.on_chunk = on_chunk
         n = len(manifest.chunks)
         self.learner = len(socks) - 1
-        self.todo: deque[int] = deque(i for i in range(n) if i not in have)  # ``have``: verified already
+        self.todo: deque[int] = deque(range(n))
         self.later: list[tuple[float, int]] = []  # (not before, index): chunks a relay did not hold yet
         self.inflight: dict[int, tuple[float, int, int]] = {}  # index -> (deadline, attempt, source)
         self.attempts = [0] * n  # attempts at the learner (max_retries applies there)
@@ -131,7 +144,7 @@ class _Pull:
         self.waited_since: dict[int, float] = {}  # first not_yet from the current relay
         self.backoff = [0.002] * n
         self.dead: set[int] = set()  # relays that timed out or failed a send: skipped from now on
-        self.done = len(have)
+        self.done = 0
         self.corrupt: dict[int, str] = {}
         self.error: BaseException | None = None
         self.from_source = [0] * len(socks)  # verified chunks per source
@@ -357,9 +370,9 @@ class PullReport:
     """Chunks a relay failed (dead, timed out, refused, wrong bytes) that were asked elsewhere."""
     dead_relays: list[int] = field(default_factory=list)
     from_shm: int = 0
-    """Chunks copied from the learner's shared-memory segment (same host)."""
+    """Chunks read in place from the learner's shared-memory segment (same host)."""
     shm_error: str = ""
-    """Why the segment gave fewer than all chunks (empty: it gave all, or none was offered)."""
+    """Why the segment was not used (empty: it was, or none was offered)."""
 
 
 _READERS: OrderedDict[tuple[str, str], SegmentReader] = OrderedDict()
@@ -392,35 +405,33 @@ def drop_segment_readers() -> None:
             _READERS.popitem()[1].close()
 
 
-async def copy_from_segment(ref: SegmentRef, manifest: WeightManifest, buf: np.ndarray,
-                            on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> set[int]:
-    """Copy and verify ``manifest``'s chunks from the segment into ``buf``; returns the
-    indices that passed (all, or a prefix when the segment stopped holding the version;
-    none when it does not open from here).  Yields to trio between chunks."""
-    have: set[int] = set()
+def read_segment(ref: SegmentRef, manifest: WeightManifest, report: PullReport | None = None) -> tuple[np.ndarray, Hold] | None:
+    """The verified stream of ``manifest`` viewed in place in the learner's segment, with
+    the ``Hold`` that keeps it unchanged; None (and ``report.shm_error`` says why) when the
+    segment cannot give the whole version."""
     try:
         reader = segment_reader(ref)
-    except SegmentUnavailable as exc:
+        hold = reader.hold(manifest.version)
+        if hold is None:
+            raise SegmentChanged(f"segment holds version {reader.state()[1]} or is being written, not {manifest.version}")
+    except (SegmentUnavailable, SegmentChanged) as exc:
         if report is not None:
             report.shm_error = str(exc)
-        return have
-    for c in manifest.chunks:
-        view = buf[c.offset:c.offset + c.nbytes]
-        try:
-            reader.copy_chunk(manifest.version, c.offset, c.nbytes, c.checksum, manifest.checksum_algo, view)
-        except SegmentChanged as exc:
-            if report is not None:
-                report.shm_error = str(exc)
-            break
-        except ValueError as exc:  # checksum algorithm unknown here
-            raise WeightSyncError(f"cannot verify weights: {exc}") from None
-        have.add(c.index)
-        if on_chunk is not None:
-            on_chunk(c.index)
-        await trio.lowlevel.checkpoint()
+        return None
+    try:
+        for c in manifest.chunks:
+            hold.verify(c.offset, c.nbytes, c.checksum, manifest.checksum_algo)
+    except SegmentChanged as exc:
+        hold.release()
+        if report is not None:
+            report.shm_error = str(exc)
+        return None
+    except ValueError as exc:  # checksum algorithm unknown here
+        hold.release()
+        raise WeightSyncError(f"cannot verify weights: {exc}") from None
     if report is not None:
-        report.from_shm += len(have)
-    return have
+        report.from_shm += len(manifest.chunks)
+    return reader.stream[:manifest.total_bytes], hold
 
 
 async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
@@ -448,13 +459,16 @@ async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s:
     of ``buffer``."""
     if window < 1 or max_retries < 0 or timeout_s <= 0:
         raise ValueError("window >= 1, max_retries >= 0 and timeout_s > 0 are required")
-    buf = (buffer or ReceiveBuffer()).take(manifest.total_bytes)
-    have: set[int] = set()
-    if shm is not None and manifest.chunks:
-        have = await copy_from_segment(shm, manifest, buf, on_chunk, report)
-    if len(have) < len(manifest.chunks):
+    buffer = buffer or ReceiveBuffer()
+    buf = buffer.take(manifest.total_bytes)
+    if shm is not None and manifest.chunks and not relays and on_chunk is None:
+        got = await trio.to_thread.run_sync(read_segment, shm, manifest, report)  # checksums: off the event loop
+        if got is not None:
+            view, buffer.hold = got
+            return view
+    if manifest.chunks:
         pull = _Pull([*relays, sock], manifest, buf, timeout_s, window, max_retries, relay_timeout_s=relay_timeout_s,
-                     relay_patience_s=relay_patience_s, on_chunk=on_chunk, have=frozenset(have))
+                     relay_patience_s=relay_patience_s, on_chunk=on_chunk)
         try:
             await pull.run()
         finally:

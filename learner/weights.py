@@ -19,10 +19,12 @@ socket in a separate thread, and ``publish`` only takes a lock to swap the versi
 Same host (``shm=True``, ``learner.weights_shm``): every version's buffer is a shared-memory
 segment (``protocol/shmweights.py``, a memfd) and ``segment_ref(version)`` names it for the
 announcement; actors on this host copy the chunks from it instead of pulling them over TCP
-(same manifest, same checksums).  A reused segment is marked as being written
-(``Segment.begin_write``) before a byte of it changes and gets its new version only once
-the stream is complete and checksummed (``end_write``), so a reader never accepts a chunk
-of a version that is gone.  Segments are memfds: nothing is left behind in ``/dev/shm``
+(same manifest, same checksums).  A segment is rewritten only under its exclusive lock,
+taken without waiting: one that a same-host reader holds is skipped and another one used
+(at most ``keep + 2`` spares are kept; the rest are closed, their readers keep their pages
+until they let go).  It is marked as being written (``Segment.begin_write``) before a byte
+changes and gets its new version only once the stream is complete and checksummed
+(``end_write``), so a reader never accepts a version that is gone.  Segments are memfds: nothing is left behind in ``/dev/shm``
 whatever way the learner exits.
 
 Ordering: a version's buffer is complete and checksummed before it becomes visible to the
@@ -116,11 +118,19 @@ class WeightPublisher:
         buf, seg = self._take_buffer(total)
         if seg is not None:
             seg.begin_write()  # same-host readers refuse every chunk from here on
-        chunks = write_and_chunk(buf, infos, state_dict.values(), total, self.chunk_bytes, self.checksum_algo)
-        manifest = build_manifest(version, self.dtype, buf, infos, total, chunk_bytes=self.chunk_bytes,
-                                  checksum_algo=self.checksum_algo, chunks=chunks)
+        try:
+            chunks = write_and_chunk(buf, infos, state_dict.values(), total, self.chunk_bytes, self.checksum_algo)
+            manifest = build_manifest(version, self.dtype, buf, infos, total, chunk_bytes=self.chunk_bytes,
+                                      checksum_algo=self.checksum_algo, chunks=chunks)
+        except BaseException:
+            with self._lock:  # the buffer stays reusable; a segment stays marked as being written
+                self._spare.append((buf, [], seg))
+            if seg is not None:
+                seg.unlock()
+            raise
         if seg is not None:
             seg.end_write(version)
+            seg.unlock()
         with self._lock:
             self._versions[version] = _Version(manifest, buf, segment=seg)
         return manifest
@@ -173,17 +183,27 @@ class WeightPublisher:
         for seg in dropped:
             seg.close()
         for buf, trackers, seg in spare:
+            if seg is not None and not seg.try_lock():  # a same-host reader holds it: leave it be
+                continue
             try:
                 for t in trackers:
                     if not t.done:
                         t.wait(1.0)
             except zmq.NotDone:
+                if seg is not None:
+                    seg.unlock()
                 continue
             with self._lock:
                 self._spare = [x for x in self._spare if x[0] is not buf]
             return buf, seg
         if self.shm:
+            with self._lock:  # spares beyond keep + 2 (all held by readers) are let go: readers keep their pages
+                extra = [x for x in self._spare if x[2] is not None][: max(len(self._spare) - (self.keep + 2), 0)]
+                self._spare = [x for x in self._spare if all(x is not e for e in extra)]
+            for _, _, old in extra:
+                old.close()
             seg = Segment(total)
+            seg.try_lock()
             return seg.stream[:total], seg
         return np.empty(total, dtype=np.uint8), None
 

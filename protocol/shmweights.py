@@ -5,24 +5,29 @@ The learner's publisher keeps each servable version's stream (the exact bytes th
 path serves, ``protocol/weights.py`` layout) in a ``Segment``: an anonymous shared-memory
 file (``memfd``, tmpfs pages like ``/dev/shm``) that it maps once and reuses for later
 versions.  Actors on the same host open it through ``/proc/<learner pid>/fd/<fd>``
-(``SegmentRef.path``) and copy the chunks into their own receive buffer, checking every
-chunk against the same manifest checksums as the TCP path.  A memfd has no name in any
+(``SegmentRef.path``), take a shared lock on it (``SegmentReader.hold``), verify every
+chunk in place against the same manifest checksums as the TCP path and hand the engine
+tensors that view the segment: no copy on the actor's side.  A memfd has no name in any
 file system, so nothing can leak: the kernel frees it when the last process holding it
 (the learner, or an actor's mapping) exits, however it exits.
 
 Header (``HEADER_BYTES``, little endian): magic ``b"TSWSEG01"``, a 16-byte random token,
 then ``seq`` (u64) and ``version`` (i64); the stream starts at ``HEADER_BYTES``.
 
-Ordering contract (a seqlock):
+Ordering contract (``flock`` on the memfd's inode plus a seqlock in the header):
 
-- writer (``begin_write`` / ``end_write``): ``seq`` becomes odd and ``version`` -1 before
-  a byte of the stream is rewritten; ``version`` is set and ``seq`` made even again only
-  after the whole stream is written and checksummed;
-- reader (``SegmentReader.copy_chunk``): reads ``seq`` (must be even) and ``version``
-  (must be the one wanted) before copying a chunk, then verifies the copy's checksum
-  against the manifest, then reads ``seq`` again (must be unchanged).  A chunk passes
-  only if all three hold, so a chunk overwritten during the copy is never accepted, even
-  if its bytes happen to checksum (the seq check) or the seq check races (the checksum).
+- writer: rewrites a segment only under an exclusive lock taken without waiting
+  (``try_lock``; a segment a reader holds is not reused, the publisher takes another);
+  ``begin_write`` makes ``seq`` odd and ``version`` -1 before a byte changes, ``end_write``
+  sets ``version`` and makes ``seq`` even again only after the whole stream is written and
+  checksummed, then ``unlock``;
+- reader: ``hold(version)`` takes a shared lock without waiting (fails while a write is
+  in progress), then requires ``seq`` even and ``version`` the one wanted; while the hold
+  lasts the bytes cannot change, so the chunk checksums it verifies stay true for the
+  tensors that view them.  ``Hold.release`` (the actor: once the engine released the
+  tensors and the post-swap check ran) lets the writer reuse the segment.  Each hold has
+  its own open file (locks of two holds never merge); a crashed reader's locks vanish
+  with it.  ``Hold.verify`` re-reads ``seq`` after the checksums as a second guard.
 
 Same-host detection: the ref names the path *and* the token; a reader that cannot open
 the path, or finds another token there (another host's learner with the same pid, a
@@ -31,6 +36,7 @@ different PID namespace), gets ``SegmentUnavailable`` and pulls over TCP instead
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -50,7 +56,6 @@ _HEAD = struct.Struct("<8s16s")
 _SEQ_AT = _HEAD.size
 _VERSION_AT = _SEQ_AT + 8
 _U64 = struct.Struct("<Q")
-_PIECE = 1 << 20
 _I64 = struct.Struct("<q")
 
 
@@ -95,6 +100,17 @@ class Segment:
     @property
     def ref(self) -> SegmentRef:
         return SegmentRef(path=f"/proc/{os.getpid()}/fd/{self.fd}", token=self.token.hex())
+
+    def try_lock(self) -> bool:
+        """Take the exclusive lock without waiting; False while a reader holds the segment."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def begin_write(self) -> None:
         """Mark the stream as being rewritten (readers refuse every chunk from now on)."""
@@ -153,24 +169,23 @@ class SegmentReader:
         """``(seq, version)`` as the header says now."""
         return _U64.unpack_from(self._map, _SEQ_AT)[0], _I64.unpack_from(self._map, _VERSION_AT)[0]
 
-    def copy_chunk(self, version: int, offset: int, nbytes: int, checksum: int, algo: str, out: Any) -> None:
-        """Copy stream bytes ``[offset, offset + nbytes)`` of ``version`` into ``out`` and
-        verify them (see the ordering contract); ``SegmentChanged`` when any check fails
-        (``out`` may then hold garbage: the caller pulls that chunk elsewhere)."""
+    def hold(self, version: int) -> "Hold | None":
+        """A shared lock on the segment while it holds ``version`` completely; None when
+        a write is in progress or the segment holds another version (pull over TCP)."""
+        try:
+            fd = os.open(self.ref.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
         seq, held = self.state()
         if seq & 1 or held != version:
-            raise SegmentChanged(f"segment holds version {held}{' (being written)' if seq & 1 else ''}, not {version}")
-        if offset < 0 or offset + nbytes > self.capacity:
-            raise SegmentChanged(f"chunk [{offset}, {offset + nbytes}) lies outside the {self.capacity}-byte segment")
-        crc, src = 0, self.stream
-        for p in range(0, nbytes, _PIECE):  # copy and checksum piece by piece, while the piece is in cache
-            piece = out[p:p + _PIECE]
-            piece[:] = src[offset + p:offset + p + piece.nbytes]
-            crc = checksums.update(algo, crc, piece)
-        if crc != checksum:
-            raise SegmentChanged(f"chunk at {offset} fails its checksum (overwritten while copied)")
-        if self.state()[0] != seq:
-            raise SegmentChanged("segment was rewritten while the chunk was copied")
+            os.close(fd)  # closing the last descriptor drops its lock
+            return None
+        return Hold(self, fd, seq, version)
 
     def close(self) -> None:
         self.stream = np.empty(0, np.uint8)
@@ -178,3 +193,31 @@ class SegmentReader:
             self._map.close()
         except BufferError:
             pass
+
+
+class Hold:
+    """A reader's shared lock on a segment holding one version (``SegmentReader.hold``)."""
+
+    def __init__(self, reader: SegmentReader, fd: int, seq: int, version: int) -> None:
+        self.reader, self.fd, self.seq, self.version = reader, fd, seq, version
+
+    def verify(self, offset: int, nbytes: int, checksum: int, algo: str) -> np.ndarray:
+        """The stream bytes ``[offset, offset + nbytes)``, checked against ``checksum``
+        (``SegmentChanged`` when they fail it or lie outside the segment)."""
+        if offset < 0 or offset + nbytes > self.reader.capacity:
+            raise SegmentChanged(f"chunk [{offset}, {offset + nbytes}) lies outside the {self.reader.capacity}-byte segment")
+        view = self.reader.stream[offset:offset + nbytes]
+        if checksums.checksum(algo, view) != checksum:
+            raise SegmentChanged(f"chunk at {offset} fails its checksum")
+        if self.reader.state() != (self.seq, self.version):
+            raise SegmentChanged("segment was rewritten while held (a writer that ignores the lock)")
+        return view
+
+    def release(self) -> None:
+        """Drop the lock (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.release()

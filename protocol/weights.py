@@ -16,6 +16,7 @@ Torch is imported only by the functions that take or return tensors.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -145,6 +146,8 @@ def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool
         if t.offset < 0 or t.offset + numel * dtype.itemsize > len(buf):
             raise ProtocolError(f"tensor {t.name}: {numel} x {t.dtype} at offset {t.offset} lies outside the "
                                 f"{len(buf)}-byte stream; the manifest is inconsistent")
-        x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
+        with warnings.catch_warnings():  # a same-host segment is mapped read-only: nobody writes through these views
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
         out[t.name] = x.clone() if copy else x
     return out

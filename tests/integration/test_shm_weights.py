@@ -81,57 +81,67 @@ def test_a_segment_that_does_not_open_from_here_costs_only_the_tcp_pull(bad):
         assert report.shm_error
 
 
-def test_a_segment_rewritten_during_the_copy_is_never_applied():
-    """keep=1: the next publication reuses the segment of the version being copied.  The
-    copy stops at the first chunk of the gone version; TCP no longer serves it either, so
-    the pull fails (the actor pulls the newer announced version) and hands out no tensors."""
-    sd1, sd2 = state_dict(1), state_dict(2)
+def test_a_held_segment_is_never_rewritten_and_is_reused_once_released():
+    """keep=1: the next publication would reuse the segment of the version an actor holds;
+    it takes another one instead, so the held tensors stay the version they were verified
+    as.  Once released, the segment is reused."""
+    sd1, sd2, sd3 = state_dict(1), state_dict(2), state_dict(3)
     with WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.05, dtype="float32", keep=1, shm=True) as pub:
         m1 = pub.publish(1, sd1)
         ref1 = pub.segment_ref(1)
-        seen: list[int] = []
-
-        def on_chunk(i: int) -> None:
-            seen.append(i)
-            if i == 1:
-                pub.publish(2, sd2)  # the same segment, overwritten under the reader
-                assert pub.segment_ref(2) == ref1
-
-        async def main() -> None:
-            ctx = zmq.Context()
-            sock = AsyncSocket(configure(ctx.socket(zmq.DEALER)))
-            sock.sock.connect(pub.endpoint)
-            report = PullReport()
-            try:
-                with pytest.raises(RemoteError, match="unknown_version"):
-                    await pull_weights(sock, m1, timeout_s=10, buffer=ReceiveBuffer(), shm=ref1, on_chunk=on_chunk, report=report)
-            finally:
-                sock.close()
-                ctx.term()
-            assert report.from_shm == 2 and "version 2" in report.shm_error
-
-        trio.run(main)
-        assert seen == [0, 1]
+        buf = ReceiveBuffer()
+        report = PullReport()
+        got = pull_weights_blocking(pub.endpoint, m1, timeout_s=10, buffer=buf, shm=ref1, report=report)
+        assert report.from_shm == len(m1.chunks) and buf.hold is not None
+        pub.publish(2, sd2)  # v1 retired; its segment is held: not rewritten
+        assert pub.segment_ref(2) != ref1
+        _same(got, sd1)
+        buf.release()
+        pub.publish(3, sd3)  # v2 retired and free, v1's segment free: one of them is reused
+        assert len({x[2].fd for x in pub._spare} | {pub._versions[3].segment.fd}) == 2  # two segments in all
 
 
-def test_reader_refuses_a_chunk_being_written_or_torn_under_the_same_version():
+def test_a_segment_being_written_is_not_read_and_tcp_takes_over():
+    sd = state_dict(5)
+    with WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.05, dtype="float32", keep=2, shm=True) as pub:
+        m = pub.publish(4, sd)
+        seg = pub._versions[4].segment
+        assert seg.try_lock()  # as the publisher does before rewriting it
+        seg.begin_write()
+        report = PullReport()
+        got = pull_weights_blocking(pub.endpoint, m, timeout_s=10, shm=seg.ref, report=report, copy=True)
+        assert report.from_shm == 0 and report.from_learner == len(m.chunks)
+        _same(got, sd)  # the TCP copy: the stream bytes themselves were not touched
+        seg.end_write(4)
+        seg.unlock()
+
+
+def test_a_hold_refuses_bytes_changed_under_it():
+    """Even a writer that ignored the lock cannot get a changed chunk accepted: the
+    checksum catches the bytes, the header's seq catches a rewrite that kept them."""
     sd = state_dict(4)
     with WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.05, dtype="float32", keep=1, shm=True) as pub:
         m = pub.publish(7, sd)
         reader = SegmentReader(pub.segment_ref(7))
+        hold = reader.hold(7)
+        assert hold is not None and reader.hold(8) is None
         c = m.chunks[0]
-        out = np.empty(c.nbytes, np.uint8)
-        reader.copy_chunk(7, c.offset, c.nbytes, c.checksum, m.checksum_algo, out)  # intact: passes
+        hold.verify(c.offset, c.nbytes, c.checksum, m.checksum_algo)  # intact: passes
         seg = pub._versions[7].segment
-        seg.begin_write()  # a publication started
-        with pytest.raises(SegmentChanged, match="being written"):
-            reader.copy_chunk(7, c.offset, c.nbytes, c.checksum, m.checksum_algo, out)
-        seg.stream[c.offset] ^= 0xFF  # torn bytes, then the header claims version 7 again
-        seg.end_write(7)
+        assert not seg.try_lock()  # the hold keeps the publisher out
+        seg.stream[c.offset] ^= 0xFF
         with pytest.raises(SegmentChanged, match="checksum"):
-            reader.copy_chunk(7, c.offset, c.nbytes, c.checksum, m.checksum_algo, out)
+            hold.verify(c.offset, c.nbytes, c.checksum, m.checksum_algo)
+        seg.stream[c.offset] ^= 0xFF
+        seg.begin_write()
+        seg.end_write(7)
+        with pytest.raises(SegmentChanged, match="rewritten"):
+            hold.verify(c.offset, c.nbytes, c.checksum, m.checksum_algo)
         with pytest.raises(SegmentChanged, match="outside"):
-            reader.copy_chunk(7, reader.capacity - 1, 2, 0, m.checksum_algo, np.empty(2, np.uint8))
+            hold.verify(reader.capacity - 1, 2, 0, m.checksum_algo)
+        hold.release()
+        assert seg.try_lock()
+        seg.unlock()
         reader.close()
 
 
