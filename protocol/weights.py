@@ -81,7 +81,7 @@ def write_tensors(buf: np.ndarray, infos: list[TensorInfo], tensors: Any) -> Non
             flat[info.offset: info.offset + info.nbytes].view(dt).view(t.shape).copy_(t.detach())
 
 
-_PIECE = 1 << 20
+_PIECE = 256 << 10
 """Bytes copied, then checksummed while still in cache, by ``write_and_chunk``."""
 
 
