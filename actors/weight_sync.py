@@ -54,7 +54,6 @@ Contract:
 
 from __future__ import annotations
 
-import logging
 import struct
 import threading
 from collections import OrderedDict, deque
@@ -71,8 +70,6 @@ from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.shmweights import Hold, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
 from protocol.transport import AsyncSocket
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch

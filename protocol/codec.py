@@ -258,8 +258,8 @@ class _Ctx:
     def __init__(self, bufs: list[memoryview], limits: Limits) -> None:
         self.bufs = bufs
         self.limits = limits
-        self.used: dict[int, list[tuple[int, int, str]]] = {}
-        """Frame -> (start, end, field) of every array read from it."""
+        self.used: dict[int, list[tuple[int, int]]] = {}
+        """Frame -> (start, end) byte span of every array read from it."""
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -323,7 +323,7 @@ def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
     for idx, spans in ctx.used.items():
         if len(spans) > 1:
             spans.sort()
-            for (_, end, _), (start, _, where) in zip(spans, spans[1:]):
+            for (_, end), (start, _) in zip(spans, spans[1:]):
                 if start < end:
                     raise ProtocolError(f"{cls.__name__}: an array overlaps another one in frame {idx} (at byte {start})")
     return obj
@@ -367,7 +367,7 @@ def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
         if off + nbytes > frame.nbytes:
             raise _Bad(f"array data is {max(frame.nbytes - off, 0)} bytes, shape {shape} of {dtype.name} needs {nbytes} "
                        f"(frame {idx}, offset {off})")
-        ctx.used.setdefault(idx, []).append((off, off + nbytes, ""))
+        ctx.used.setdefault(idx, []).append((off, off + nbytes))
         arr = np.frombuffer(frame, dtype=dtype, count=count, offset=off)
         return arr if len(shape) == 1 else arr.reshape(shape)
     if len(raw) != nbytes:
