@@ -217,6 +217,8 @@ class ActorStats:
     weight_chunks_from_learner: int = 0
     weight_relay_fallbacks: int = 0
     """Chunks a relay failed (dead, slow, refusing, corrupt) that were fetched elsewhere."""
+    weight_chunks_from_shm: int = 0
+    """Chunks copied from the learner's shared-memory segment (actor on the learner's host)."""
 
 
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -692,6 +694,11 @@ class Actor:
             # and the new one is served chunk by chunk as each is verified (actors/relay.py)
             relay.begin(key, policy.manifest, slot.buffer.take(policy.manifest.total_bytes))
             kw["on_chunk"] = lambda i: relay.mark(key, i)
+        if policy.shm_path and self.cfg.weights_shm != "false" and "on_chunk" not in kw and "relays" not in kw:
+            # same host: the tensors view the learner's segment, held until released below
+            from protocol.shmweights import SegmentRef
+
+            kw["shm"] = SegmentRef(path=policy.shm_path, token=policy.shm_token)
         report = None
         if kw:
             from actors.weight_sync import PullReport
@@ -708,6 +715,10 @@ class Actor:
                 self.stats.weight_chunks_from_relays += report.from_relays
                 self.stats.weight_chunks_from_learner += report.from_learner
                 self.stats.weight_relay_fallbacks += report.fallbacks
+                self.stats.weight_chunks_from_shm += report.from_shm
+                if report.shm_error and self.cfg.weights_shm == "true":
+                    log.warning("weights v%d: shared-memory segment not used fully (%s); pulled over TCP",
+                                policy.version, report.shm_error)
         engine = self.runtime.engine
         slot.swap = engine.load_weights(policy.version, tensors)  # the engine owns them until released
         try:
@@ -717,6 +728,9 @@ class Actor:
             raise
         if self.cfg.verify_weights:  # released: the buffer is ours again until the next pull
             await self._verify(engine, tensors, policy.manifest)
+        release = getattr(slot.buffer, "release", None)  # ReceiveBuffer (test fakes may have none)
+        if release is not None:
+            release()  # a same-host pull's segment: the learner may reuse it now
         self.applied = (policy.incarnation, policy.version)
         self.stats.weight_pulls += 1
         self.stats.weight_pull_s += time.monotonic() - t0

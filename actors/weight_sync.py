@@ -37,6 +37,16 @@ Contract:
   it pulls into a buffer only after the engine released it (``WeightSwap.released``),
   so a pull never writes into memory the engine may still read.  Pass ``copy=True`` to
   get owned tensors instead.
+- Same host (``shm``, a ``protocol.shmweights.SegmentRef`` from the announcement): the
+  pull takes a shared lock on the learner's segment for the version (``Hold``), checks
+  every chunk in place against the manifest checksums and returns tensors that view the
+  segment (read-only memory: no copy).  The hold is attached to ``buffer`` and released
+  by ``ReceiveBuffer.release`` or the buffer's next ``take``; until then the learner
+  never rewrites that segment.  When the segment does not open from here (another host,
+  another token), holds another version, is being written or fails a checksum, the
+  version is pulled over TCP into ``buffer`` as usual.  No relays with ``shm``: a relay
+  serves from ``buffer``, which a same-host pull leaves empty (an actor on the learner's
+  host runs no relay, ``actors.main.relay_address``).
 - A buffer (``ReceiveBuffer``) is allocated once and reused across versions:
   first-touching a fresh buffer every time is ~3x slower (FACTS.md).  Without
   ``buffer`` a pull allocates a fresh one.  One pull at a time per buffer.
@@ -45,7 +55,8 @@ Contract:
 from __future__ import annotations
 
 import struct
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -57,6 +68,7 @@ from protocol import checksums, codec
 from protocol import weights as weights_protocol
 from protocol.errors import ProtocolError, RemoteError, TurnscaleError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from protocol.shmweights import Hold, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
 from protocol.transport import AsyncSocket
 
 if TYPE_CHECKING:
@@ -74,12 +86,21 @@ class ChecksumMismatch(WeightSyncError):
 
 
 class ReceiveBuffer:
-    """One receive buffer, reused across versions; grows (once) when a version is larger."""
+    """One receive buffer, reused across versions; grows (once) when a version is larger.
+    After a same-host pull it also carries that pull's ``Hold`` on the learner's segment."""
 
     def __init__(self, nbytes: int = 0) -> None:
         self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.hold: Hold | None = None
+
+    def release(self) -> None:
+        """Let go of a same-host pull's segment (the tensors viewing it must be unused)."""
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
 
     def take(self, nbytes: int) -> np.ndarray:
+        self.release()
         if self.buf.nbytes < nbytes:
             self.buf = np.empty(nbytes, dtype=np.uint8)
         return self.buf[:nbytes]
@@ -345,31 +366,103 @@ class PullReport:
     fallbacks: int = 0
     """Chunks a relay failed (dead, timed out, refused, wrong bytes) that were asked elsewhere."""
     dead_relays: list[int] = field(default_factory=list)
+    from_shm: int = 0
+    """Chunks read in place from the learner's shared-memory segment (same host)."""
+    shm_error: str = ""
+    """Why the segment was not used (empty: it was, or none was offered)."""
+
+
+_READERS: OrderedDict[tuple[str, str], SegmentReader] = OrderedDict()
+_READERS_LOCK = threading.Lock()
+_MAX_READERS = 4
+"""Mappings kept open (the learner keeps ``keep`` segments, reused across versions)."""
+
+
+def segment_reader(ref: SegmentRef) -> SegmentReader:
+    """A cached read-only mapping of ``ref`` (``SegmentUnavailable`` when it does not open
+    from here); the oldest mapping is dropped beyond ``_MAX_READERS``."""
+    key = (ref.path, ref.token)
+    with _READERS_LOCK:
+        reader = _READERS.get(key)
+        if reader is not None:
+            _READERS.move_to_end(key)
+            return reader
+    reader = SegmentReader(ref)
+    with _READERS_LOCK:
+        _READERS[key] = reader
+        while len(_READERS) > _MAX_READERS:
+            _READERS.popitem(last=False)[1].close()
+    return reader
+
+
+def drop_segment_readers() -> None:
+    """Unmap every cached segment (tests; an actor leaving a learner)."""
+    with _READERS_LOCK:
+        while _READERS:
+            _READERS.popitem()[1].close()
+
+
+def read_segment(ref: SegmentRef, manifest: WeightManifest, report: PullReport | None = None) -> tuple[np.ndarray, Hold] | None:
+    """The verified stream of ``manifest`` viewed in place in the learner's segment, with
+    the ``Hold`` that keeps it unchanged; None (and ``report.shm_error`` says why) when the
+    segment cannot give the whole version."""
+    try:
+        reader = segment_reader(ref)
+        hold = reader.hold(manifest.version)
+        if hold is None:
+            raise SegmentChanged(f"segment holds version {reader.state()[1]} or is being written, not {manifest.version}")
+    except (SegmentUnavailable, SegmentChanged) as exc:
+        if report is not None:
+            report.shm_error = str(exc)
+        return None
+    try:
+        for c in manifest.chunks:
+            hold.verify(c.offset, c.nbytes, c.checksum, manifest.checksum_algo)
+    except SegmentChanged as exc:
+        hold.release()
+        if report is not None:
+            report.shm_error = str(exc)
+        return None
+    except ValueError as exc:  # checksum algorithm unknown here
+        hold.release()
+        raise WeightSyncError(f"cannot verify weights: {exc}") from None
+    if report is not None:
+        report.from_shm += len(manifest.chunks)
+    return reader.stream[:manifest.total_bytes], hold
 
 
 async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                        max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
                        relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
-                       on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> dict[str, torch.Tensor]:
+                       on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
+                       shm: SegmentRef | None = None) -> dict[str, torch.Tensor]:
     """Pull every chunk of ``manifest`` (see the module docstring); returns name -> tensor
-    in the manifest's dtypes and shapes.  ``relays`` are asked first, in order; ``sock``
-    (the learner's weights endpoint) last.  ``on_chunk(i)`` is called once chunk ``i`` is
-    in the buffer and verified (a ``RelayServer`` serves it from then on)."""
+    in the manifest's dtypes and shapes.  ``shm`` (same host) is read first, then
+    ``relays``, in order; ``sock`` (the learner's weights endpoint) last.  ``on_chunk(i)``
+    is called once chunk ``i`` is in the buffer and verified (a ``RelayServer`` serves it
+    from then on)."""
     buf = await pull_stream(sock, manifest, timeout_s=timeout_s, window=window, max_retries=max_retries, buffer=buffer,
                             relays=relays, relay_timeout_s=relay_timeout_s, relay_patience_s=relay_patience_s,
-                            on_chunk=on_chunk, report=report)
+                            on_chunk=on_chunk, report=report, shm=shm)
     return tensors_from_buffer(buf, manifest, copy=copy)
 
 
 async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                       max_retries: int = 3, buffer: ReceiveBuffer | None = None, relays: Sequence[AsyncSocket] = (),
                       relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
-                      on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None) -> np.ndarray:
+                      on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
+                      shm: SegmentRef | None = None) -> np.ndarray:
     """``pull_weights`` without the tensors (no torch): the verified stream bytes, a view
     of ``buffer``."""
     if window < 1 or max_retries < 0 or timeout_s <= 0:
         raise ValueError("window >= 1, max_retries >= 0 and timeout_s > 0 are required")
-    buf = (buffer or ReceiveBuffer()).take(manifest.total_bytes)
+    buffer = buffer or ReceiveBuffer()
+    buf = buffer.take(manifest.total_bytes)
+    if shm is not None and manifest.chunks and not relays and on_chunk is None:
+        got = await trio.to_thread.run_sync(read_segment, shm, manifest, report)  # checksums: off the event loop
+        if got is not None:
+            view, buffer.hold = got
+            return view
     if manifest.chunks:
         pull = _Pull([*relays, sock], manifest, buf, timeout_s, window, max_retries, relay_timeout_s=relay_timeout_s,
                      relay_patience_s=relay_patience_s, on_chunk=on_chunk)
@@ -386,7 +479,8 @@ async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s:
 
 def pull_weights_blocking(endpoint: str, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                           max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
-                          context: zmq.Context | None = None) -> dict[str, torch.Tensor]:
+                          context: zmq.Context | None = None, shm: SegmentRef | None = None,
+                          report: PullReport | None = None) -> dict[str, torch.Tensor]:
     """``pull_weights`` for thread code: its own DEALER to ``endpoint``, its own trio run."""
     from protocol.transport import configure
 
@@ -398,7 +492,7 @@ def pull_weights_blocking(endpoint: str, manifest: WeightManifest, *, timeout_s:
         sock = AsyncSocket(raw)
         try:
             return await pull_weights(sock, manifest, timeout_s=timeout_s, window=window, max_retries=max_retries,
-                                      buffer=buffer, copy=copy)
+                                      buffer=buffer, copy=copy, shm=shm, report=report)
         finally:
             sock.close()
 

@@ -395,6 +395,11 @@ class LearnerConfig:
     publish_every: int = 1
     transfer_dtype: str = "float32"
     chunk_mb: float = 32.0
+    weights_shm: bool = True
+    """Keep published weights in shared-memory segments (memfds, ``protocol/shmweights.py``)
+    and announce them: actors on this host copy them from there instead of pulling over
+    TCP (``actor.weights_shm``).  Costs nothing extra: the buffers the TCP path serves
+    from are the segments."""
     lease_ttl_s: float = 120.0
     heartbeat_interval_s: float = 5.0
     steps: int = 100
@@ -464,6 +469,16 @@ class ActorConfig:
     learner's host keeps its direct local pull and serves no relay)."""
     relay_port: int = 0
     """Port of the relay; 0 picks a free one."""
+    weights_shm: str = "auto"
+    """Same-host weights: ``auto`` reads an announced shared-memory segment when it opens
+    from here with the announced token (the actor shares the learner's host), else pulls
+    over TCP; ``false`` always pulls over TCP; ``true`` is ``auto`` plus a warning each
+    time the segment cannot be used."""
+
+    def __post_init__(self) -> None:
+        self.weights_shm = str(self.weights_shm).lower()  # a command-line ``true`` arrives as a bool
+        _require(self.weights_shm in ("auto", "true", "false"), "actor.weights_shm",
+                 f"must be auto, true or false, got {self.weights_shm!r}")
 
 
 @dataclass(kw_only=True)

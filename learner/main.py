@@ -128,7 +128,7 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
     ctx, auth, curve = _curve_context(cfg)
     try:
         publisher = WeightPublisher(tcp_endpoint(lc.host, lc.weights_port), chunk_mb=lc.chunk_mb, dtype=lc.transfer_dtype,
-                                    context=ctx, curve=curve)
+                                    context=ctx, curve=curve, shm=lc.weights_shm)
     except BaseException:
         _close_context(ctx, auth)
         raise

@@ -227,8 +227,11 @@ class LearnerService:
         return self.run.trained_groups
 
     def announcement(self) -> PolicyAnnouncement:
+        seg = getattr(self.parts.publisher, "segment_ref", None)  # test fakes have none
+        ref = seg(self.version) if seg is not None and self.manifest is not None else None
         return PolicyAnnouncement(version=self.version, step=self.step, manifest=self.manifest,
-                                  incarnation=self.incarnation)
+                                  incarnation=self.incarnation, shm_path=ref.path if ref else "",
+                                  shm_token=ref.token if ref else "")
 
     def restore(self) -> bool:
         """Resume from the newest checkpoint (``learner.resume``); True when one was found."""

@@ -16,6 +16,17 @@ frames out are ``[identity, request_id, *WeightChunk]`` with the chunk bytes sen
 zero-copy from the version's buffer.  Control traffic never waits on it: it is a separate
 socket in a separate thread, and ``publish`` only takes a lock to swap the version table.
 
+Same host (``shm=True``, ``learner.weights_shm``): every version's buffer is a shared-memory
+segment (``protocol/shmweights.py``, a memfd) and ``segment_ref(version)`` names it for the
+announcement; actors on this host copy the chunks from it instead of pulling them over TCP
+(same manifest, same checksums).  A segment is rewritten only under its exclusive lock,
+taken without waiting: one that a same-host reader holds is skipped and another one used
+(at most ``keep + 2`` spares are kept; the rest are closed, their readers keep their pages
+until they let go).  It is marked as being written (``Segment.begin_write``) before a byte
+changes and gets its new version only once the stream is complete and checksummed
+(``end_write``), so a reader never accepts a version that is gone.  Segments are memfds: nothing is left behind in ``/dev/shm``
+whatever way the learner exits.
+
 Ordering: a version's buffer is complete and checksummed before it becomes visible to the
 server thread.  Buffers are reused (allocating and first-touching a fresh one each time
 is ~3x slower): before a retired buffer is overwritten, every zero-copy send from it has
@@ -38,8 +49,9 @@ from protocol import checksums, codec
 from protocol.dtypes import torch_dtype
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from protocol.router import read_request, serve_router
+from protocol.shmweights import Segment, SegmentRef
 from protocol.transport import CurveKeys, SocketLimits, configure
-from protocol.weights import build_manifest, layout, write_tensors
+from protocol.weights import build_manifest, layout, write_and_chunk
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,7 @@ class _Version:
     manifest: WeightManifest
     buf: np.ndarray
     trackers: list = field(default_factory=list)
+    segment: Segment | None = None
 
 
 class WeightPublisher:
@@ -57,7 +70,7 @@ class WeightPublisher:
 
     def __init__(self, endpoint: str, *, chunk_mb: float = 32.0, dtype: str = "bfloat16", keep: int = 2,
                  context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(), poll_ms: int = 100,
-                 checksum_algo: str | None = None, curve: CurveKeys | None = None) -> None:
+                 checksum_algo: str | None = None, curve: CurveKeys | None = None, shm: bool = False) -> None:
         if chunk_mb <= 0:
             raise ValueError(f"chunk_mb must be > 0, got {chunk_mb}")
         if keep < 1:
@@ -71,8 +84,9 @@ class WeightPublisher:
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._versions: dict[int, _Version] = {}
-        self._spare: list[tuple[np.ndarray, list]] = []
-        """Retired buffers and the trackers of their zero-copy sends."""
+        self.shm = shm
+        self._spare: list[tuple[np.ndarray, list, Segment | None]] = []
+        """Retired buffers, the trackers of their zero-copy sends, their segments (``shm``)."""
         self._stop = threading.Event()
         self._poll_ms = poll_ms
         self.served_chunks = 0
@@ -100,21 +114,39 @@ class WeightPublisher:
         with self._lock:  # make room first, so the oldest version's buffer can be reused
             for v in sorted(self._versions)[: max(len(self._versions) - (self.keep - 1), 0)]:
                 old = self._versions.pop(v)
-                self._spare.append((old.buf, old.trackers))
-        buf = self._take_buffer(total)
-        write_tensors(buf, infos, state_dict.values())
-        manifest = build_manifest(version, self.dtype, buf, infos, total, chunk_bytes=self.chunk_bytes,
-                                  checksum_algo=self.checksum_algo)
+                self._spare.append((old.buf, old.trackers, old.segment))
+        buf, seg = self._take_buffer(total)
+        if seg is not None:
+            seg.begin_write()  # same-host readers refuse every chunk from here on
+        try:
+            chunks = write_and_chunk(buf, infos, state_dict.values(), total, self.chunk_bytes, self.checksum_algo)
+            manifest = build_manifest(version, self.dtype, buf, infos, total, chunk_bytes=self.chunk_bytes,
+                                      checksum_algo=self.checksum_algo, chunks=chunks)
+        except BaseException:
+            with self._lock:  # the buffer stays reusable; a segment stays marked as being written
+                self._spare.append((buf, [], seg))
+            if seg is not None:
+                seg.unlock()
+            raise
+        if seg is not None:
+            seg.end_write(version)
+            seg.unlock()
         with self._lock:
-            self._versions[version] = _Version(manifest, buf)
+            self._versions[version] = _Version(manifest, buf, segment=seg)
         return manifest
+
+    def segment_ref(self, version: int) -> SegmentRef | None:
+        """Where a same-host actor finds ``version``'s stream (None: not served, or no ``shm``)."""
+        with self._lock:
+            ver = self._versions.get(version)
+            return ver.segment.ref if ver is not None and ver.segment is not None else None
 
     def retire(self, version: int) -> None:
         """Stop serving ``version`` now (its buffer becomes reusable); unknown versions are ignored."""
         with self._lock:
             old = self._versions.pop(version, None)
             if old is not None:
-                self._spare.append((old.buf, old.trackers))
+                self._spare.append((old.buf, old.trackers, old.segment))
 
     def versions(self) -> list[int]:
         with self._lock:
@@ -127,6 +159,13 @@ class WeightPublisher:
             self._thread.join(timeout=5.0)
         if not self._sock.closed:
             self._sock.close(linger=0)
+        with self._lock:
+            segments = [v.segment for v in self._versions.values()] + [s for _, _, s in self._spare]
+            self._versions.clear()
+            self._spare.clear()
+        for seg in segments:
+            if seg is not None:
+                seg.close()
 
     def __enter__(self) -> "WeightPublisher":
         return self
@@ -134,22 +173,39 @@ class WeightPublisher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _take_buffer(self, total: int) -> np.ndarray:
-        """A retired buffer of exactly ``total`` bytes whose zero-copy sends are done, else a new one."""
+    def _take_buffer(self, total: int) -> tuple[np.ndarray, Segment | None]:
+        """A retired buffer of exactly ``total`` bytes whose zero-copy sends are done, else a
+        new one; with ``shm`` each buffer is the stream of its own segment."""
         with self._lock:
-            self._spare = [(b, t) for b, t in self._spare if b.nbytes == total]  # sizes changed: drop the others
+            dropped = [s for b, _, s in self._spare if b.nbytes != total and s is not None]
+            self._spare = [x for x in self._spare if x[0].nbytes == total]  # sizes changed: drop the others
             spare = list(self._spare)
-        for buf, trackers in spare:
+        for seg in dropped:
+            seg.close()
+        for buf, trackers, seg in spare:
+            if seg is not None and not seg.try_lock():  # a same-host reader holds it: leave it be
+                continue
             try:
                 for t in trackers:
                     if not t.done:
                         t.wait(1.0)
             except zmq.NotDone:
+                if seg is not None:
+                    seg.unlock()
                 continue
             with self._lock:
-                self._spare = [(b, t) for b, t in self._spare if b is not buf]
-            return buf
-        return np.empty(total, dtype=np.uint8)
+                self._spare = [x for x in self._spare if x[0] is not buf]
+            return buf, seg
+        if self.shm:
+            with self._lock:  # spares beyond keep + 2 (all held by readers) are let go: readers keep their pages
+                extra = [x for x in self._spare if x[2] is not None][: max(len(self._spare) - (self.keep + 2), 0)]
+                self._spare = [x for x in self._spare if all(x is not e for e in extra)]
+            for _, _, old in extra:
+                old.close()
+            seg = Segment(total)
+            seg.try_lock()
+            return seg.stream[:total], seg
+        return np.empty(total, dtype=np.uint8), None
 
     # ------------------------------------------------------------------ serving thread
 

@@ -52,3 +52,16 @@ def checksum(algo: str, data: Any) -> int:
                              "(pip install google-crc32c)")
         return int(_CEXT.value(_readonly_u8(data)))
     raise ValueError(f"unknown checksum algorithm {algo!r}; known: crc32c, crc32")
+
+
+def update(algo: str, value: int, data: Any) -> int:
+    """``checksum(algo, a + b) == update(algo, checksum(algo, a), b)``: a checksum computed
+    piece by piece (e.g. right after each piece is copied, while it is still in cache)."""
+    if algo == "crc32":
+        return zlib.crc32(data, value) & 0xFFFFFFFF
+    if algo == "crc32c":
+        if _CEXT is None:
+            raise ValueError("checksum 'crc32c' needs the google-crc32c package with its C extension "
+                             "(pip install google-crc32c)")
+        return int(_CEXT.extend(value, _readonly_u8(data)))
+    raise ValueError(f"unknown checksum algorithm {algo!r}; known: crc32c, crc32")

@@ -3,9 +3,19 @@
 Wire format: a list of frames.  Frame 0 is a msgpack map ``{"v": SCHEMA_VERSION,
 "t": "<RecordName>", "b": {field: value, ...}}``.  Nested records are maps; numpy
 arrays are msgpack ext values: ``ARRAY_INLINE`` carries ``[dtype, shape, bytes]``,
-``ARRAY_FRAME`` carries ``[dtype, shape, frame_index]`` and the raw bytes travel as
-their own frame (sent with ZeroMQ ``copy=False``; decoded with ``np.frombuffer`` over
-the received buffer, so a 64 MB array is never copied on either side).
+``ARRAY_FRAME`` carries ``[dtype, shape, frame_index, byte_offset]`` and the raw bytes
+lie in a later frame at that offset (sent with ZeroMQ ``copy=False``; decoded with
+``np.frombuffer`` over the received buffer, never copied on the receiving side).
+
+Out-of-band arrays are *packed* (schema 5): every array of at least
+``out_of_band_bytes`` and under ``own_frame_bytes`` is copied, 8-byte aligned, into one
+shared data frame (one frame per message instead of one per array: pyzmq's cost per
+zero-copy frame, paid on both sides, dominated a trajectory group's transport);
+arrays of ``own_frame_bytes`` or more get a frame of their own, a view of the array
+(no copy on either side).  A message with exactly one out-of-band array sends that
+array's own bytes as frame 1 (``WeightChunk``: the actor ``recv_into``'s it).  The
+decoder accepts any layout that is well formed: each array's bytes lie inside its
+frame, arrays never overlap, and every data frame is referenced.
 
 Decoding checks, in order: total size, msgpack validity, envelope, schema version,
 type name, then every field against the record's annotations (exact dtype, ndim,
@@ -37,7 +47,11 @@ from protocol.messages import REGISTRY, SCHEMA_VERSION
 ARRAY_INLINE = 1
 ARRAY_FRAME = 2
 OUT_OF_BAND_BYTES = 16 * 1024
-"""Arrays at least this large travel as their own frame."""
+"""Arrays at least this large travel out of band (in a data frame, not in frame 0)."""
+OWN_FRAME_BYTES = 64 << 10
+"""Out-of-band arrays at least this large get a zero-copy frame of their own; smaller
+ones are copied into the one shared data frame."""
+_ALIGN = 8
 
 _ALLOWED_DTYPES = frozenset(
     np.dtype(d) for d in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "float16", "float32", "float64", "bool")
@@ -68,16 +82,20 @@ DEFAULT_LIMITS = Limits()
 # ----------------------------------------------------------------------------- encode
 
 
-def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES) -> list[bytes | memoryview]:
-    """Encode a registered record into frames (frame 0 msgpack, then raw array frames).
+def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES,
+           own_frame_bytes: int = OWN_FRAME_BYTES) -> list[bytes | memoryview]:
+    """Encode a registered record into frames (frame 0 msgpack, then data frames).
 
-    Arrays of at least ``out_of_band_bytes`` become their own frame: a ``memoryview`` of
-    the array itself (no copy; send with ``copy=False`` and keep the record alive until
-    ZeroMQ is done, which pyzmq's zero-copy frames do by holding a reference)."""
+    Arrays of at least ``out_of_band_bytes`` travel out of band: packed into one shared
+    data frame (a copy) or, from ``own_frame_bytes`` up or when they are the message's
+    only out-of-band array, as a ``memoryview`` of the array itself (no copy; send with
+    ``copy=False`` and keep the record alive until ZeroMQ is done, which pyzmq's
+    zero-copy frames do by holding a reference)."""
     name = type(msg).__name__
     if REGISTRY.get(name) is not type(msg):
         raise ProtocolError(f"cannot encode {type(msg)!r}: not a protocol.messages record")
     frames: list[bytes | memoryview] = [b""]
+    packed: list[tuple[list, np.ndarray]] = []  # (ext meta to fill in, array) for the shared frame
 
     def array(obj: Any) -> Any:
         if not isinstance(obj, np.ndarray):
@@ -86,13 +104,20 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES) -> list[byte
             raise ProtocolError(f"cannot encode an array of dtype {obj.dtype} in {name}: not allowed on the wire")
         arr = np.ascontiguousarray(obj)
         if arr.nbytes >= out_of_band_bytes:
-            frames.append(memoryview(arr.reshape(-1).view(np.uint8)))
-            return msgpack.ExtType(ARRAY_FRAME, msgpack.packb([arr.dtype.str, list(arr.shape), len(frames) - 1]))
+            meta = [arr.dtype.str, list(arr.shape), 0, 0]
+            if arr.nbytes >= own_frame_bytes:
+                frames.append(memoryview(arr.reshape(-1).view(np.uint8)))
+                meta[2] = len(frames) - 1
+            else:
+                packed.append((meta, arr))
+            return _LateExt(meta)
         return msgpack.ExtType(ARRAY_INLINE, msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()]))
 
     def default(obj: Any) -> Any:  # values that do not match their annotation
-        if isinstance(obj, np.ndarray):
-            return array(obj)
+        if type(obj) is _LateExt:
+            return msgpack.ExtType(ARRAY_FRAME, msgpack.packb(obj.meta))
+        if isinstance(obj, np.ndarray):  # an array where the annotation wants none: the decoder refuses it
+            return msgpack.ExtType(ARRAY_INLINE, msgpack.packb([obj.dtype.str, list(obj.shape), obj.tobytes()]))
         names = _field_names(type(obj))
         if names is not None:
             return {n: getattr(obj, n) for n in names}
@@ -104,12 +129,42 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES) -> list[byte
 
     try:
         body = _plain_converter(type(msg))(msg, array)
+        if packed:
+            _pack(packed, frames)
         frames[0] = msgpack.packb({"v": SCHEMA_VERSION, "t": name, "b": body}, default=default, use_bin_type=True)
     except ProtocolError:
         raise
     except (TypeError, ValueError, OverflowError, AttributeError) as exc:  # e.g. an int beyond 64 bits
         raise ProtocolError(f"cannot encode {name}: {type(exc).__name__} {exc}") from None
     return frames
+
+
+class _LateExt:
+    """An out-of-band array's ext, packed once its frame and offset are known."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, meta: list) -> None:
+        self.meta = meta
+
+
+def _pack(packed: list[tuple[list, np.ndarray]], frames: list) -> None:
+    """Lay the arrays of ``packed`` into one data frame (8-byte aligned) and point their
+    ext metas at it; a lone array is sent as itself (no copy)."""
+    index = len(frames)
+    if len(packed) == 1:
+        meta, arr = packed[0]
+        frames.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        meta[2] = index
+        return
+    pos = 0
+    for meta, arr in packed:
+        meta[2], meta[3] = index, pos
+        pos += -(-arr.nbytes // _ALIGN) * _ALIGN
+    buf = np.empty(pos, np.uint8)
+    for meta, arr in packed:
+        buf[meta[3]:meta[3] + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+    frames.append(memoryview(buf))
 
 
 @lru_cache(maxsize=None)
@@ -192,6 +247,7 @@ class _ArrayRef:
     dtype: Any
     shape: Any
     data: Any
+    offset: Any
 
 
 class _Ctx:
@@ -202,7 +258,8 @@ class _Ctx:
     def __init__(self, bufs: list[memoryview], limits: Limits) -> None:
         self.bufs = bufs
         self.limits = limits
-        self.used: set[int] = set()
+        self.used: dict[int, list[tuple[int, int]]] = {}
+        """Frame -> (start, end) byte span of every array read from it."""
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -212,9 +269,13 @@ def _ext_hook(code: int, data: bytes) -> Any:
         meta = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=64, max_array_len=64, max_map_len=0)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"array ext is not valid msgpack: {type(exc).__name__} {exc}") from None
-    if not (isinstance(meta, list) and len(meta) == 3):
-        raise ProtocolError("array ext must be [dtype, shape, data]")
-    return _ArrayRef(code, meta[0], meta[1], meta[2])
+    if code == ARRAY_INLINE:
+        if not (isinstance(meta, list) and len(meta) == 3):
+            raise ProtocolError("array ext must be [dtype, shape, data]")
+        return _ArrayRef(code, meta[0], meta[1], meta[2], 0)
+    if not (isinstance(meta, list) and len(meta) == 4):  # e.g. schema 4's [dtype, shape, frame]: named after the version check
+        return _ArrayRef(0, None, None, None, None)
+    return _ArrayRef(code, meta[0], meta[1], meta[2], meta[3])
 
 
 def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
@@ -257,13 +318,21 @@ def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
     ctx = _Ctx(bufs, limits)
     obj = _build_root(cls, env["b"], ctx)
     if len(ctx.used) != len(bufs) - 1:
-        unused = sorted(set(range(1, len(bufs))) - ctx.used)
+        unused = sorted(set(range(1, len(bufs))) - set(ctx.used))
         raise ProtocolError(f"{cls.__name__}: frame(s) {unused} not referenced by any array field")
+    for idx, spans in ctx.used.items():
+        if len(spans) > 1:
+            spans.sort()
+            for (_, end), (start, _) in zip(spans, spans[1:]):
+                if start < end:
+                    raise ProtocolError(f"{cls.__name__}: an array overlaps another one in frame {idx} (at byte {start})")
     return obj
 
 
 def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
     """Validate an array ext and view its bytes without copying."""
+    if not ref.code:
+        raise _Bad("array ext must be [dtype, shape, frame, offset]")
     if not isinstance(ref.dtype, str) or not isinstance(ref.shape, list):
         raise _Bad("array ext must be [dtype: str, shape: list, data]")
     dtype = _WIRE_DTYPES.get(ref.dtype)
@@ -289,13 +358,18 @@ def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
         if not isinstance(raw, bytes):
             raise _Bad("inline array data must be bytes")
     else:
-        idx = ref.data
+        idx, off = ref.data, ref.offset
         if type(idx) is not int or not 1 <= idx < len(ctx.bufs):
             raise _Bad(f"array refers to frame {_short(idx)}, which is missing")
-        if idx in ctx.used:
-            raise _Bad(f"array refers to frame {idx}, which another array already used")
-        ctx.used.add(idx)
-        raw = ctx.bufs[idx]
+        if type(off) is not int or off < 0 or off % dtype.itemsize:
+            raise _Bad(f"array offset {_short(off)} in frame {idx} must be a non-negative multiple of {dtype.itemsize}")
+        frame = ctx.bufs[idx]
+        if off + nbytes > frame.nbytes:
+            raise _Bad(f"array data is {max(frame.nbytes - off, 0)} bytes, shape {shape} of {dtype.name} needs {nbytes} "
+                       f"(frame {idx}, offset {off})")
+        ctx.used.setdefault(idx, []).append((off, off + nbytes))
+        arr = np.frombuffer(frame, dtype=dtype, count=count, offset=off)
+        return arr if len(shape) == 1 else arr.reshape(shape)
     if len(raw) != nbytes:
         raise _Bad(f"array data is {len(raw)} bytes, shape {shape} of {dtype.name} needs {nbytes}")
     arr = np.frombuffer(raw, dtype=dtype)

@@ -37,12 +37,14 @@ import numpy as np
 from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Bumped on every incompatible change; a message with another version is rejected.
 (3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
 read them; a lease carries its turn limit and version.  4: weight fan-out through actor
-relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.weight_sources``.
-5: relays authenticate their clients: ``Welcome``/``HeartbeatAck.relay_clients``.)"""
+relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.weight_sources``.  5: out-of-band arrays are
+packed, several to a data frame: the array ext is ``[dtype, shape, frame, offset]``;
+``PolicyAnnouncement.shm_path`` / ``shm_token``: same-host weights in shared memory.
+6: relays authenticate their clients: ``Welcome``/``HeartbeatAck.relay_clients``.)"""
 
 FINISH_REASONS = frozenset(
     {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
@@ -232,6 +234,13 @@ class PolicyAnnouncement:
     start, also after a resume (``run_id`` survives resumes).  ``(incarnation, version)``
     names one set of weights; an actor whose weights carry another incarnation drops them
     and pulls (a resumed learner may reuse a version number for other weights)."""
+    shm_path: str = ""
+    """Where an actor on the learner's host can read this version's stream from shared memory
+    (``/proc/<pid>/fd/<fd>`` of a ``protocol.shmweights`` segment); empty: TCP only.  Same
+    manifest and checksums as the TCP path; an actor that cannot open it (another host) or
+    finds another ``shm_token`` there pulls over TCP."""
+    shm_token: str = ""
+    """Hex token the segment's header must hold (same-host check)."""
 
 
 @record

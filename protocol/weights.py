@@ -16,6 +16,7 @@ Torch is imported only by the functions that take or return tensors.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -54,10 +55,13 @@ def chunk_table(buf: np.ndarray, total: int, chunk_bytes: int, algo: str) -> lis
 
 
 def build_manifest(version: int, dtype: str, buf: np.ndarray, infos: list[TensorInfo], total: int, *,
-                   chunk_bytes: int, checksum_algo: str) -> WeightManifest:
-    """The checked manifest of the stream ``buf[:total]`` laid out as ``infos``."""
+                   chunk_bytes: int, checksum_algo: str, chunks: list[ChunkInfo] | None = None) -> WeightManifest:
+    """The checked manifest of the stream ``buf[:total]`` laid out as ``infos`` (``chunks``:
+    already computed by ``write_and_chunk``)."""
+    if chunks is None:
+        chunks = chunk_table(buf, total, chunk_bytes, checksum_algo)
     manifest = WeightManifest(version=version, dtype=dtype, total_bytes=total, checksum_algo=checksum_algo,
-                              tensors=infos, chunks=chunk_table(buf, total, chunk_bytes, checksum_algo))
+                              tensors=infos, chunks=chunks)
     manifest.check()
     return manifest
 
@@ -68,9 +72,60 @@ def write_tensors(buf: np.ndarray, infos: list[TensorInfo], tensors: Any) -> Non
 
     flat = torch.from_numpy(buf)
     for info, t in zip(infos, tensors):
-        if info.nbytes:
-            dst = flat[info.offset: info.offset + info.nbytes].view(torch_dtype(info.dtype)).view(t.shape)
-            dst.copy_(t.detach())
+        if not info.nbytes:
+            continue
+        dt = torch_dtype(info.dtype)
+        if t.dtype == dt and t.device.type == "cpu" and t.is_contiguous():  # a plain byte copy: numpy's memcpy
+            buf[info.offset: info.offset + info.nbytes] = t.detach().reshape(-1).view(torch.uint8).numpy()
+        else:
+            flat[info.offset: info.offset + info.nbytes].view(dt).view(t.shape).copy_(t.detach())
+
+
+_PIECE = 256 << 10
+"""Bytes copied, then checksummed while still in cache, by ``write_and_chunk``."""
+
+
+def write_and_chunk(buf: np.ndarray, infos: list[TensorInfo], tensors: Any, total: int, chunk_bytes: int,
+                    algo: str) -> list[ChunkInfo]:
+    """``write_tensors`` and ``chunk_table`` in one pass over the stream: each piece is
+    checksummed right after it is written (one trip through memory instead of two).  The
+    result equals ``chunk_table(buf, total, chunk_bytes, algo)`` after ``write_tensors``
+    (alignment gaps are checksummed as they lie in ``buf``).  ``infos`` must be in stream
+    order, as ``layout`` makes them."""
+    import torch
+
+    flat = torch.from_numpy(buf)
+    sums: list[int] = []
+    pos, crc = 0, 0
+
+    def advance(upto: int) -> None:  # checksum buf[pos:upto], closing chunks at their ends
+        nonlocal pos, crc
+        while pos < upto:
+            end = min(upto, (pos // chunk_bytes + 1) * chunk_bytes)
+            crc = checksums.update(algo, crc, buf[pos:end])
+            pos = end
+            if pos % chunk_bytes == 0:
+                sums.append(crc)
+                crc = 0
+
+    for info, t in zip(infos, tensors):
+        if not info.nbytes:
+            continue
+        dt = torch_dtype(info.dtype)
+        if t.dtype == dt and t.device.type == "cpu" and t.is_contiguous():
+            src = t.detach().reshape(-1).view(torch.uint8).numpy()
+            for p in range(0, info.nbytes, _PIECE):
+                n = min(_PIECE, info.nbytes - p)
+                buf[info.offset + p: info.offset + p + n] = src[p:p + n]
+                advance(info.offset + p + n)
+        else:
+            flat[info.offset: info.offset + info.nbytes].view(dt).view(t.shape).copy_(t.detach())
+            advance(info.offset + info.nbytes)
+    advance(total)
+    if total % chunk_bytes:
+        sums.append(crc)
+    return [ChunkInfo(index=i, offset=i * chunk_bytes, nbytes=min(chunk_bytes, total - i * chunk_bytes), checksum=c)
+            for i, c in enumerate(sums)]
 
 
 def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool = False) -> dict[str, Any]:
@@ -91,6 +146,8 @@ def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool
         if t.offset < 0 or t.offset + numel * dtype.itemsize > len(buf):
             raise ProtocolError(f"tensor {t.name}: {numel} x {t.dtype} at offset {t.offset} lies outside the "
                                 f"{len(buf)}-byte stream; the manifest is inconsistent")
-        x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
+        with warnings.catch_warnings():  # a same-host segment is mapped read-only: nobody writes through these views
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
         out[t.name] = x.clone() if copy else x
     return out

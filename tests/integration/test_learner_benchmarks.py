@@ -17,7 +17,7 @@ def test_learner_and_weights_benchmarks_write_their_figures(tmp_path):
     data = json.loads(out.read_text())
     names = {r["name"]: r for r in data["results"]}
     assert {"learner_step_tokens_per_s", "learner_step_extra_prox", "weights_publish_to_actor_gbps",
-            "weights_publish_to_actor_s", "weights_vs_raw_zmq_gbps", "weights_vs_memcpy_gbps"} <= set(names)
+            "weights_publish_to_actor_s", "weights_tcp_pull_vs_raw_zmq_gbps", "weights_vs_memcpy_gbps"} <= set(names)
     for r in data["results"]:
         assert r["value"] > 0 and r["baseline_value"] > 0 and r["ratio"] > 0
     assert names["learner_step_tokens_per_s"]["target"] == 0.9

@@ -75,6 +75,9 @@ def test_learner_and_two_actors_train_publish_and_resume(tmp_path):
             versions = [m["perf/version"] for m in metrics]
             assert versions == sorted(versions) and versions[-1] == 3  # published after every step
             assert metrics[-1]["rollout/trained_groups_total"] == 8
+            # actors on the learner's host read the weights from its shared-memory segments, untorn
+            assert any(m.get("actors/weight_chunks_from_shm", 0) > 0 for m in metrics), "no same-host weight read"
+            assert all(m.get("actors/torn_weights", 0) == 0 for m in metrics)
             assert all(m["rollout/turn_limit"] == 2 for m in metrics)
             trajs = read_jsonl(os.path.join(run_dir, "trajectories.jsonl"))
             accepted = {(t["lease_id"], t["episode"]) for t in trajs if t["accepted"]}

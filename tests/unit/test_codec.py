@@ -40,8 +40,8 @@ def inline(dtype: str, shape: list, data: bytes) -> msgpack.ExtType:
     return msgpack.ExtType(codec.ARRAY_INLINE, pack([dtype, shape, data]))
 
 
-def oob(dtype: str, shape: list, idx: Any) -> msgpack.ExtType:
-    return msgpack.ExtType(codec.ARRAY_FRAME, pack([dtype, shape, idx]))
+def oob(dtype: str, shape: list, idx: Any, offset: Any = 0) -> msgpack.ExtType:
+    return msgpack.ExtType(codec.ARRAY_FRAME, pack([dtype, shape, idx, offset]))
 
 
 def chunk_body(data: Any, **over: Any) -> dict:
@@ -61,7 +61,7 @@ def test_every_record_round_trips_field_by_field(msg, path):
     threshold = 1 << 40 if path == "inline" else 0
     frames = codec.encode(msg, out_of_band_bytes=threshold)
     n_arrays = _count_arrays(msg)
-    assert len(frames) == 1 + (n_arrays if path == "out_of_band" else 0)
+    assert len(frames) == 1 + (min(n_arrays, 1) if path == "out_of_band" else 0)  # all packed into one data frame
     got = codec.decode(frames)
     assert_same(msg, got)
     if not any(isinstance(v, np.ndarray) for v in _walk(msg)):
@@ -93,12 +93,37 @@ def test_round_trip_through_bytes_copies_of_frames():
 
 
 def test_default_threshold_sends_big_arrays_out_of_band_and_small_ones_inline():
-    small, big = episode(100), episode(20_000)
+    small, big = episode(100), episode(8000)
     assert len(codec.encode(small)) == 1
-    assert len(codec.encode(big)) == 1 + 4
-    frames = codec.encode(big)
-    # out-of-band frames are views of the records' arrays: no copy on encode
-    assert np.shares_memory(np.frombuffer(frames[1], np.uint8), big.token_ids)
+    assert len(codec.encode(big)) == 1 + 1  # three 32 KB arrays packed into one frame, the 8 KB mask inline
+    huge = episode(codec.OWN_FRAME_BYTES // 2)  # token ids, log-probs, versions get frames of their own; the mask is packed
+    frames = codec.encode(huge)
+    assert len(frames) == 1 + 3 + 1
+    # own frames are views of the records' arrays: no copy on encode
+    assert np.shares_memory(np.frombuffer(frames[1], np.uint8), huge.token_ids)
+    assert_same(huge, codec.decode(frames))
+
+
+def test_packed_arrays_share_one_data_frame_aligned_and_decode_as_views_of_it():
+    msg = group(3, 2000)  # 12 arrays of 2-8 KB
+    frames = codec.encode(msg, out_of_band_bytes=0)
+    assert len(frames) == 2
+    got = codec.decode([frames[0], bytes(frames[1])])
+    assert_same(msg, got)
+    data = np.frombuffer(bytes(frames[1]), np.uint8)
+    got = codec.decode([frames[0], data])
+    for ep in got.episodes:
+        for name in ("token_ids", "loss_mask", "logprobs", "versions"):
+            arr = getattr(ep, name)
+            assert np.shares_memory(arr, data), name
+            assert arr.__array_interface__["data"][0] % 8 == 0 or arr.nbytes == 0
+
+
+def test_a_message_of_schema_4_is_refused_with_a_clear_error():
+    """Schema 4 sent one frame per out-of-band array (ext ``[dtype, shape, frame]``)."""
+    old = [env("WeightChunk", chunk_body(msgpack.ExtType(codec.ARRAY_FRAME, pack(["|u1", [4], 1]))), v=4), b"\x00" * 4]
+    with pytest.raises(ProtocolError, match=rf"schema version 4 != {m.SCHEMA_VERSION}; upgrade the older side"):
+        codec.decode(old)
 
 
 def test_non_contiguous_and_zero_d_arrays_round_trip():
@@ -129,7 +154,7 @@ def test_64mb_arrays_decode_as_views_of_the_received_buffers():
     src, dst = msg.episodes[0], got.episodes[0]
     for name in ("token_ids", "loss_mask", "logprobs", "versions"):
         assert_same(getattr(src, name), getattr(dst, name))
-        # decoded straight over the frame, which itself is a view of the sent array
+        # decoded straight over the frame, which itself is a view of the sent array (over OWN_FRAME_BYTES)
         assert np.shares_memory(getattr(dst, name), getattr(src, name)), name
     assert dst.token_ids.nbytes >= SIXTY_FOUR_MB
     chunk = m.WeightChunk(version=1, index=0, checksum=0, data=np.ones(SIXTY_FOUR_MB, np.uint8))
@@ -245,12 +270,19 @@ STRICT_CASES: list[tuple[str, Callable[[], list], str]] = [
     ("inline length mismatch", lambda: [env("WeightChunk", chunk_body(inline("|u1", [5], b"\x00" * 4)))], r"WeightChunk\.data: array data is 4 bytes.*needs 5"),
     ("inline data not bytes", lambda: [env("WeightChunk", chunk_body(inline("|u1", [1], [0])))], r"WeightChunk\.data: inline array data must be bytes"),
     ("array ext malformed", lambda: [env("WeightChunk", chunk_body(msgpack.ExtType(codec.ARRAY_INLINE, pack(["|u1", [1]]))))], r"array ext must be \[dtype, shape, data\]"),
+    ("schema 4 array ext", lambda: [env("WeightChunk", chunk_body(msgpack.ExtType(codec.ARRAY_FRAME, pack(["|u1", [1], 1])))), b"\x00"],
+     r"array ext must be \[dtype, shape, frame, offset\]"),
     ("frame length mismatch", lambda: [env("WeightChunk", chunk_body(oob("|u1", [10], 1))), b"\x00" * 9], r"WeightChunk\.data: array data is 9 bytes.*needs 10"),
+    ("array past the frame's end", lambda: [env("WeightChunk", chunk_body(oob("|u1", [8], 1, 4))), b"\x00" * 10], r"WeightChunk\.data: array data is 6 bytes.*needs 8 \(frame 1, offset 4\)"),
+    ("negative offset", lambda: [env("WeightChunk", chunk_body(oob("|u1", [2], 1, -1))), b"\x00" * 10], r"WeightChunk\.data: array offset -1"),
+    ("offset not an int", lambda: [env("WeightChunk", chunk_body(oob("|u1", [2], 1, "0"))), b"\x00" * 10], r"WeightChunk\.data: array offset '0'"),
+    ("misaligned offset", lambda: _edit(examples()["Episode"], _set("logprobs", oob("<f4", [40], 1, 2)), threshold=0),
+     r"Episode\.logprobs: array offset 2 in frame 1 must be a non-negative multiple of 4"),
     ("frame missing", lambda: [env("WeightChunk", chunk_body(oob("|u1", [10], 1)))], r"WeightChunk\.data: array refers to frame 1, which is missing"),
     ("frame index zero", lambda: [env("WeightChunk", chunk_body(oob("|u1", [1], 0))), b"\x00"], r"WeightChunk\.data: array refers to frame 0"),
     ("frame unreferenced", lambda: [*GOOD_CHUNK, b"extra"], r"WeightChunk: frame\(s\) \[2\] not referenced"),
-    ("frame used twice", lambda: _edit(examples()["Episode"], _set("loss_mask", oob("|u1", [40], 1)), threshold=0),
-     r"Episode\.loss_mask: array refers to frame 1, which another array already used"),
+    ("arrays overlap", lambda: _edit(examples()["Episode"], _set("versions", oob("<i4", [40], 1)), threshold=0),
+     r"Episode: an array overlaps another one in frame 1"),
     ("loss_mask longer than token_ids", lambda: _edit(examples()["Episode"], _set("loss_mask", inline("|u1", [41], b"\x00" * 41))),
      r"Episode\.loss_mask: length 41 != token_ids length 40"),
     ("loss_mask longer, nested in group", lambda: _edit(group(), _set("episodes.1.loss_mask", inline("|u1", [41], b"\x00" * 41))),

@@ -44,3 +44,26 @@ def test_layout_round_trip_both_ends():
     assert torch.equal(out["a"], sd["a"].to(torch.bfloat16))
     assert torch.equal(out["step"], sd["step"]) and torch.equal(out["m"], sd["m"])
     assert torch.equal(out["b"], sd["b"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("algo", ["crc32", "crc32c"])
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 16, 1000, 3 << 20])
+def test_write_and_chunk_equals_write_then_checksum(algo, chunk_bytes):
+    """The one-pass publisher path (copy a piece, checksum it while in cache) gives the
+    same bytes and chunk table as writing first and checksumming after, also across
+    alignment gaps, casts, pieces larger than ``_PIECE`` and a stream shorter than a chunk."""
+    from protocol import checksums
+    from protocol.weights import chunk_table, write_and_chunk
+
+    if algo not in checksums.ALGOS:
+        pytest.skip(f"{algo} not available here")
+    sd = {"a": torch.randn(3, 5), "step": torch.tensor([7], dtype=torch.int64), "m": torch.ones(3, dtype=torch.bool),
+          "big": torch.randn(700_000).to(torch.bfloat16), "b": torch.randn(4, dtype=torch.float64), "e": torch.empty(0)}
+    infos, total = layout(sd, "bfloat16")
+    ref = np.zeros(total, dtype=np.uint8)
+    write_tensors(ref, infos, sd.values())
+    buf = np.zeros(total, dtype=np.uint8)
+    chunks = write_and_chunk(buf, infos, sd.values(), total, chunk_bytes, algo)
+    assert np.array_equal(buf, ref)
+    assert chunks == chunk_table(ref, total, chunk_bytes, algo)
+    assert write_and_chunk(np.zeros(0, np.uint8), [], [], 0, chunk_bytes, algo) == []
