@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from envhub.babyai_prims import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, quiet_stdout
-from envhub.base import AgentGymShape, ResetResult, StepResult
+from envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
 from envhub.options import read_options
 
 LEVELS: tuple[str, ...] = (
@@ -604,16 +604,8 @@ def play_oracle(data_idx: int, max_turns: int = 64) -> OracleRun:
     obs = env.reset(data_idx).observation
     oracle = BabyAIOracle(env)
     env._oracle = oracle
-    steps, success, ret = [], False, 0.0
     try:
-        for _ in range(max_turns):
-            action = oracle.next_action()
-            steps.append((obs, action))
-            out = env.step(action)
-            obs, ret = out.observation, ret + out.reward
-            if out.done:
-                success = bool(out.info["success"])
-                break
+        steps, success, ret = play_expert(env, obs, oracle.next_action, max_turns)
     finally:
         level = env.level
         env.close()

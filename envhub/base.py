@@ -102,3 +102,25 @@ class EnvFamily(Protocol):
 
     def close(self) -> None:
         """Release shared resources (JVM pools, indexes)."""
+
+
+def play_expert(env: Env, first_observation: str, next_action: Any, max_turns: int,
+                lost: tuple[type[Exception], ...] = ()) -> tuple[list[tuple[str, str]], bool, float]:
+    """Play ``env`` (already reset; ``first_observation``) with ``next_action()`` for at most
+    ``max_turns`` turns: ``([(observation shown, action), ...], success, return)``.  An
+    exception of a ``lost`` type from ``next_action`` (an oracle that lost its way) ends the
+    episode unsolved, keeping the steps so far; any other propagates."""
+    steps: list[tuple[str, str]] = []
+    obs, success, ret = first_observation, False, 0.0
+    try:
+        for _ in range(max_turns):
+            action = next_action()
+            steps.append((obs, action))
+            out = env.step(action)
+            obs, ret = out.observation, ret + out.reward
+            if out.done:
+                success = bool(out.info["success"])
+                break
+    except lost:
+        success = False
+    return steps, success, ret

@@ -46,7 +46,7 @@ import urllib.request
 import uuid
 from typing import Any, Iterator
 
-from envhub.base import AgentGymShape, ResetResult, StepResult
+from envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
 from envhub.options import read_options
 from envhub.web_browser import BrowserBroken, BrowserPool, ElementError, Session, accessibility_tree, execute, tab_titles
 from envhub.web_oracle import WebOracle
@@ -282,18 +282,7 @@ def play_oracle(task_ids: list[int], max_turns: int = 30, options: dict | None =
         env = fam.create()
         for idx in task_ids:
             obs = env.reset(idx).observation
-            steps, success, ret = [], False, 0.0
-            try:
-                for _ in range(max_turns):
-                    action = env.expert_action()
-                    steps.append((obs, action))
-                    out = env.step(action)
-                    obs, ret = out.observation, ret + out.reward
-                    if out.done:
-                        success = bool(out.info["success"])
-                        break
-            except OracleLost:
-                success = False
+            steps, success, ret = play_expert(env, obs, env.expert_action, max_turns, lost=(OracleLost,))
             yield idx, steps, success, ret, env.task.template
         env.close()
     finally:
