@@ -22,6 +22,10 @@ Figures (``benchmarks.common.Result``):
   joining in phases; the workload without its per-task factor);
   ``learner_busy_<n>actors``: the learner's busy fraction at the largest n (ratio =
   1/busy, target 2: the learner is busy at most half the time, so it is not the bottleneck);
+  ``scaling_cpu_<role>_<n>actors``: cores used over each phase's window by all actors, the
+  learner, the envhub server and the whole machine (``machine``: every process on the box,
+  other sessions' too), from ``/proc`` (``benchmarks.cpuprobe``), against the machine's
+  cores: where the CPU went when scaling falls short;
 * per run: learner busy fraction, actor engine busy fraction, staleness mean, weight
   sync seconds per version (actors' pull and load); the full detail (staleness
   histogram, dropped groups, every group's slot time, episode durations and turns) goes
@@ -37,7 +41,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -186,6 +190,10 @@ class Cluster:
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.learner_dir / "metrics.jsonl")
 
+    def cpu_roles(self) -> dict[str, list[int]]:
+        """Pids per role, for ``benchmarks.cpuprobe``."""
+        return {"actors": [a.popen.pid for a in self.actors], "learner": [self.learner.popen.pid], "envhub": [self.env.popen.pid]}
+
 
 def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float, model_path: str = "") -> RunStats:
     """Start envhub, learner and ``spec.actors`` actors; wait for the learner to finish its
@@ -212,6 +220,9 @@ class Phase:
     window_s: float
     groups_per_s: float
     learner_busy: float
+    cpu_cores: dict[str, float] = field(default_factory=dict)
+    """Cores used over the phase's window (``benchmarks.cpuprobe``): ``actors`` (all),
+    ``learner``, ``envhub``, and ``machine`` (every process on the box, other sessions' too)."""
 
 
 def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_step: int, warmup: int,
@@ -243,16 +254,22 @@ def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: 
     many actors registered after one warm-up step and ``settle_s`` seconds (new actors
     start up meanwhile; steps come in bursts when several groups are buffered).  Actors may join at any time, so this
     measures the same thing as separate runs without paying the start-up per count."""
+    from benchmarks import cpuprobe
+
     phases: list[Phase] = []
     deadline = time.monotonic() + timeout_s
     with Cluster(spec, workload, root / spec.name, model_path) as c:
+        samples: list[cpuprobe.CpuSample] = []
         for n in counts:
             c.add_actors(n)
             while True:
                 c.check(deadline, f"{steps_per_phase} steps with {n} actors")
+                samples.append(cpuprobe.sample(c.cpu_roles()))
                 ph = phase_figures(c.metrics(), n, spec.groups_per_step, warmup=1, settle_s=settle_s)
                 if ph is not None and ph.steps >= steps_per_phase and ph.window_s >= min_window_s:
-                    phases.append(ph)
+                    samples.append(cpuprobe.sample(c.cpu_roles()))
+                    end = max(float(r["time"]) for r in c.metrics() if r.get("actors/count") == n and "time" in r)
+                    phases.append(replace(ph, cpu_cores=cpuprobe.cores_between(samples, end - ph.window_s, end)))
                     break
                 time.sleep(0.5)
     return phases
@@ -461,4 +478,8 @@ def scaling_results(phases: Sequence[Phase]) -> list[Result]:
            for p in phases]
     out.append(result(f"learner_busy_{top.actors}actors", top.learner_busy, "fraction", "always busy (1.0)", 1.0,
                       target=2.0, lower_is_better=True))
+    cores = float(os.cpu_count() or 1)
+    for p in phases:
+        for role, used in sorted(p.cpu_cores.items()):
+            out.append(result(f"scaling_cpu_{role}_{p.actors}actors", used, "cores", f"the machine's {int(cores)} cores", cores))
     return out

@@ -16,7 +16,10 @@ that finds a sender slot free waits one trio checkpoint for the others, then goe
 under load one round trip and one server thread hop carry many steps; alone, a step costs
 one checkpoint more than ``/v1/step``.  Each step still gets its own reply or its own
 ``EnvHTTPError``; a batch lost after it was sent raises ``EnvConnectionLost`` in every step
-it carried (never re-sent), as a lost single step does.
+it carried (never re-sent), as a lost single step does.  The server runs a batch's steps one
+after another in one thread under one deadline, so batch only fast, CPU-bound envs (BabyAI,
+TextCraft): envs whose steps wait on something else (SciWorld's JVMs) run faster one
+request per step, in parallel threads.
 
 ``expert_action(env_id)`` asks an envhub server for the env's expert move (``GET /expert``;
 BabyAI's oracle), for warm starts.
