@@ -262,6 +262,7 @@ def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: 
         samples: list[cpuprobe.CpuSample] = []
         for n in counts:
             c.add_actors(n)
+            first = len(samples)
             while True:
                 c.check(deadline, f"{steps_per_phase} steps with {n} actors")
                 samples.append(cpuprobe.sample(c.cpu_roles()))
@@ -269,7 +270,11 @@ def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: 
                 if ph is not None and ph.steps >= steps_per_phase and ph.window_s >= min_window_s:
                     samples.append(cpuprobe.sample(c.cpu_roles()))
                     end = max(float(r["time"]) for r in c.metrics() if r.get("actors/count") == n and "time" in r)
-                    phases.append(replace(ph, cpu_cores=cpuprobe.cores_between(samples, end - ph.window_s, end)))
+                    mine = samples[first:]
+                    cores = cpuprobe.cores_between(mine, end - ph.window_s, end) or cpuprobe.cores_between(mine, mine[0].t, mine[-1].t)
+                    if not cores:
+                        print(f"   (no CPU figures for {n} actors: {len(mine)} samples, window {end - ph.window_s:.3f}..{end:.3f})", flush=True)
+                    phases.append(replace(ph, cpu_cores=cores))
                     break
                 time.sleep(0.5)
     return phases
