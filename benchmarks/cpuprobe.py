@@ -20,15 +20,19 @@ from typing import Mapping, Sequence
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (its threads included); 0 when gone."""
+def proc_cpu_s(pid: int, *, reaped_children: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (its threads included), plus with
+    ``reaped_children`` those of its children that exited and were waited for; 0 when gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return 0.0
     fields = data[data.rindex(b")") + 2:].split()  # after "pid (comm) ": state is field 0
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    ticks = int(fields[11]) + int(fields[12])
+    if reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / _TICK
 
 
 def _children() -> dict[int, list[int]]:
@@ -48,7 +52,9 @@ def _children() -> dict[int, list[int]]:
 
 
 def tree_cpu_s(pids: Sequence[int], children: Mapping[int, list[int]] | None = None) -> float:
-    """CPU seconds of ``pids`` and all their descendants now running."""
+    """CPU seconds of ``pids`` and all their descendants, live or exited and waited for
+    (a child that exits moves its time into its parent's ``cutime``, so the sum does not
+    drop when it goes; one not yet waited for is a zombie and still counts itself)."""
     kids = _children() if children is None else children
     total, todo, seen = 0.0, list(pids), set()
     while todo:
@@ -56,7 +62,7 @@ def tree_cpu_s(pids: Sequence[int], children: Mapping[int, list[int]] | None = N
         if pid in seen:
             continue
         seen.add(pid)
-        total += proc_cpu_s(pid)
+        total += proc_cpu_s(pid, reaped_children=True)
         todo.extend(kids.get(pid, ()))
     return total
 

@@ -143,6 +143,17 @@ def prepare_model() -> str:
     return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]), play=play_texts)
 
 
+def fresh_run_dir(run_dir: Path) -> None:
+    """Empty ``run_dir`` (one run's folder inside ``--e2e-dir``): a learner finding an earlier
+    run's checkpoints and ``metrics.jsonl`` there would resume from them and append to them,
+    and the figures would mix the two runs."""
+    import shutil
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+
 class Cluster:
     """One envhub server and one learner for ``spec``; actors are added with ``add_actors``.
     Every child is started here and ended by pid on exit (actors, learner, envhub)."""
@@ -159,6 +170,7 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         from common.procs import wait_http_ok
 
+        fresh_run_dir(self.run_dir)
         try:
             self.env = self.pg.start("envhub", envhub_args(self.workload, self.env_port))
             self.learner = self.pg.start("learner", learner_args(self.spec, self.env_port, self.ports, self.learner_dir, self.model_path))

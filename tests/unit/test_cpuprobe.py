@@ -35,3 +35,20 @@ def test_a_process_tree_counts_its_descendants():
     fake = {1: [2, 3], 3: [4]}
     assert tree_cpu_s([os.getpid()], {os.getpid(): [os.getppid()]}) >= proc_cpu_s(os.getppid())
     assert tree_cpu_s([2**22 + 1], fake) == 0.0  # gone processes and their (fake) children read 0
+
+
+def test_a_childs_cpu_stays_counted_after_it_exits_and_is_waited_for():
+    import subprocess
+    import sys
+
+    code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\ninput()\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while proc_cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        during = tree_cpu_s([os.getpid()])
+        assert during >= proc_cpu_s(child.pid) >= 0.3
+    finally:
+        child.communicate(b"\n", timeout=60)
+    assert tree_cpu_s([os.getpid()]) >= during
