@@ -454,6 +454,12 @@ class ActorConfig:
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
     env_url: str = ""
     """Override the env server URL the learner announces (e.g. a host-local envhub)."""
+    env_batch_steps: bool = False
+    """Coalesce the concurrent env steps of this actor's episodes into ``POST
+    /v1/step_batch`` requests (envhub servers only; ``common.envclient``).  Worth it for fast,
+    CPU-bound envs (BabyAI, TextCraft: ~2x the steps per CPU second of one request per
+    step); leave off for envs whose steps wait on something else (SciWorld's JVMs), which a
+    batch would run one after another."""
     verify_weights: bool = True
     """After every swap, checksum the engine's weights against the pulled bytes (engines
     that can: ``hf``); a mismatch (torn or corrupted weights) is counted as
