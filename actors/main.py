@@ -107,6 +107,14 @@ def env_client(url: str, flavor: str) -> EnvClientLike:
     return EnvClient(url, flavor=flavor)
 
 
+def batching_env_client(url: str, flavor: str) -> EnvClientLike:
+    """``env_client`` that coalesces concurrent steps into ``/v1/step_batch`` on envhub servers
+    (``actor.env_batch_steps``); other flavors have no such route and step one at a time."""
+    from common.envclient import EnvClient
+
+    return EnvClient(url, flavor=flavor, batch_steps=flavor == "turnscale")
+
+
 async def pull_into(sock: AsyncSocket, manifest: WeightManifest, timeout_s: float,
                     buffer: ReceiveBuffer | None, **relay: Any) -> dict[str, torch.Tensor]:
     """``ActorDeps.pull``: every chunk of ``manifest`` over ``sock`` into ``buffer``
@@ -180,7 +188,7 @@ def build_actor(cfg: Config) -> Actor:
     # 2. engine factory: engine, renderer and group player, built after the first Welcome
     make_runtime = RuntimeBuilder(engine_cfg=cfg.engine, actor_id=actor_id, sampling=latest_sampling)
     # 3. env client factory, 4. weight pull
-    deps = ActorDeps(make_runtime=make_runtime, make_env_client=env_client, pull=pull_into, new_buffer=new_receive_buffer,
+    deps = ActorDeps(make_runtime=make_runtime, make_env_client=batching_env_client if cfg.actor.env_batch_steps else env_client, pull=pull_into, new_buffer=new_receive_buffer,
                      relay=start_relay(cfg.actor, curve))
     # 5. runtime: the actor loop (``Actor.run``) drives all of it
     actor = Actor(cfg=cfg.actor, deps=deps, engine_name=cfg.engine.name, device=cfg.engine.device, actor_id=actor_id,

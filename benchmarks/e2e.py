@@ -22,6 +22,10 @@ Figures (``benchmarks.common.Result``):
   joining in phases; the workload without its per-task factor);
   ``learner_busy_<n>actors``: the learner's busy fraction at the largest n (ratio =
   1/busy, target 2: the learner is busy at most half the time, so it is not the bottleneck);
+  ``scaling_cpu_<role>_<n>actors``: cores used over each phase's window by all actors, the
+  learner, the envhub server and the whole machine (``machine``: every process on the box,
+  other sessions' too), from ``/proc`` (``benchmarks.cpuprobe``), against the machine's
+  cores: where the CPU went when scaling falls short;
 * per run: learner busy fraction, actor engine busy fraction, staleness mean, weight
   sync seconds per version (actors' pull and load); the full detail (staleness
   histogram, dropped groups, every group's slot time, episode durations and turns) goes
@@ -37,7 +41,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -139,6 +143,17 @@ def prepare_model() -> str:
     return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]), play=play_texts)
 
 
+def fresh_run_dir(run_dir: Path) -> None:
+    """Empty ``run_dir`` (one run's folder inside ``--e2e-dir``): a learner finding an earlier
+    run's checkpoints and ``metrics.jsonl`` there would resume from them and append to them,
+    and the figures would mix the two runs."""
+    import shutil
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+
 class Cluster:
     """One envhub server and one learner for ``spec``; actors are added with ``add_actors``.
     Every child is started here and ended by pid on exit (actors, learner, envhub)."""
@@ -155,6 +170,7 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         from common.procs import wait_http_ok
 
+        fresh_run_dir(self.run_dir)
         try:
             self.env = self.pg.start("envhub", envhub_args(self.workload, self.env_port))
             self.learner = self.pg.start("learner", learner_args(self.spec, self.env_port, self.ports, self.learner_dir, self.model_path))
@@ -186,6 +202,10 @@ class Cluster:
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.learner_dir / "metrics.jsonl")
 
+    def cpu_roles(self) -> dict[str, list[int]]:
+        """Pids per role, for ``benchmarks.cpuprobe``."""
+        return {"actors": [a.popen.pid for a in self.actors], "learner": [self.learner.popen.pid], "envhub": [self.env.popen.pid]}
+
 
 def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float, model_path: str = "") -> RunStats:
     """Start envhub, learner and ``spec.actors`` actors; wait for the learner to finish its
@@ -212,6 +232,9 @@ class Phase:
     window_s: float
     groups_per_s: float
     learner_busy: float
+    cpu_cores: dict[str, float] = field(default_factory=dict)
+    """Cores used over the phase's window (``benchmarks.cpuprobe``): ``actors`` (all),
+    ``learner``, ``envhub``, and ``machine`` (every process on the box, other sessions' too)."""
 
 
 def phase_figures(records: Sequence[Mapping[str, Any]], actors: int, groups_per_step: int, warmup: int,
@@ -243,16 +266,27 @@ def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: 
     many actors registered after one warm-up step and ``settle_s`` seconds (new actors
     start up meanwhile; steps come in bursts when several groups are buffered).  Actors may join at any time, so this
     measures the same thing as separate runs without paying the start-up per count."""
+    from benchmarks import cpuprobe
+
     phases: list[Phase] = []
     deadline = time.monotonic() + timeout_s
     with Cluster(spec, workload, root / spec.name, model_path) as c:
+        samples: list[cpuprobe.CpuSample] = []
         for n in counts:
             c.add_actors(n)
+            first = len(samples)
             while True:
                 c.check(deadline, f"{steps_per_phase} steps with {n} actors")
+                samples.append(cpuprobe.sample(c.cpu_roles()))
                 ph = phase_figures(c.metrics(), n, spec.groups_per_step, warmup=1, settle_s=settle_s)
                 if ph is not None and ph.steps >= steps_per_phase and ph.window_s >= min_window_s:
-                    phases.append(ph)
+                    samples.append(cpuprobe.sample(c.cpu_roles()))
+                    end = max(float(r["time"]) for r in c.metrics() if r.get("actors/count") == n and "time" in r)
+                    mine = samples[first:]
+                    cores = cpuprobe.cores_between(mine, end - ph.window_s, end) or cpuprobe.cores_between(mine, mine[0].t, mine[-1].t)
+                    if not cores:
+                        print(f"   (no CPU figures for {n} actors: {len(mine)} samples, window {end - ph.window_s:.3f}..{end:.3f})", flush=True)
+                    phases.append(replace(ph, cpu_cores=cores))
                     break
                 time.sleep(0.5)
     return phases
@@ -461,4 +495,8 @@ def scaling_results(phases: Sequence[Phase]) -> list[Result]:
            for p in phases]
     out.append(result(f"learner_busy_{top.actors}actors", top.learner_busy, "fraction", "always busy (1.0)", 1.0,
                       target=2.0, lower_is_better=True))
+    cores = float(os.cpu_count() or 1)
+    for p in phases:
+        for role, used in sorted(p.cpu_cores.items()):
+            out.append(result(f"scaling_cpu_{role}_{p.actors}actors", used, "cores", f"the machine's {int(cores)} cores", cores))
     return out

@@ -3,6 +3,9 @@
 - ``envhub_babyai_steps``: BabyAI steps/s through ``EnvClient`` under trio, ``--episodes``
   (64) concurrent episodes against a server process over HTTP, beside the same env stepped
   in process in one loop (target ratio 0.5).
+- ``envhub_babyai_steps_batched``: the same episodes through ``EnvClient(batch_steps=True)``
+  (concurrent steps coalesced into ``POST /v1/step_batch``), beside the same in-process
+  baseline (target 0.5); ``envhub_babyai_steps_batched_per_cpu_s`` in CPU seconds.
 - ``envhub_babyai_steps_per_cpu_s``: the same run counted in CPU seconds (server process +
   client), beside the in-process loop's: less sensitive to a shared, loaded machine.
 - ``envhub_client_req_s``: ``EnvClient`` requests/s on ``GET /health`` with 64 concurrent
@@ -67,7 +70,7 @@ def _metrics(url: str) -> dict:
         return json.loads(r.read())
 
 
-def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnscale") -> tuple[float, float | None]:
+def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnscale", *, batch_steps: bool = False) -> tuple[float, float | None]:
     """(steps per wall second, steps per CPU second of server + client) over HTTP; the CPU
     figure is None for servers other than ours (flavor != turnscale: no ``/metrics``)."""
     import trio
@@ -77,7 +80,7 @@ def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnsca
     ours = flavor == "turnscale"
 
     async def main() -> float:
-        async with EnvClient(url, max_connections=episodes, flavor=flavor) as client:
+        async with EnvClient(url, max_connections=episodes, flavor=flavor, batch_steps=batch_steps) as client:
             ids = [await client.create() for _ in range(episodes)]
             for k, i in enumerate(ids):
                 await client.reset(i, k)
@@ -266,6 +269,9 @@ def run(args: argparse.Namespace) -> list[Result]:
         steps, per_cpu = _http_babyai(url, seconds, episodes)
         results.append(result("envhub_babyai_steps", steps, "steps/s", f"BabyAI in process, one loop ({episodes} instances)", base_steps, target=0.5))
         results.append(result("envhub_babyai_steps_per_cpu_s", per_cpu, "steps/CPU-s", "BabyAI in process (server + client CPU vs one loop)", base_cpu, target=0.5))
+        steps_b, per_cpu_b = _http_babyai(url, seconds, episodes, batch_steps=True)
+        results.append(result("envhub_babyai_steps_batched", steps_b, "steps/s", f"BabyAI in process, one loop ({episodes} instances)", base_steps, target=0.5))
+        results.append(result("envhub_babyai_steps_batched_per_cpu_s", per_cpu_b, "steps/CPU-s", "BabyAI in process (server + client CPU vs one loop)", base_cpu, target=0.5))
         ours = _client_req_s(url, seconds, 64)
         capacity = _server_capacity(url, seconds, 64)
         results.append(result("envhub_client_req_s", ours, "req/s", "server capacity (raw keep-alive load generator, 2nd process)", capacity, target=0.5))

@@ -10,6 +10,15 @@ clipping, metrics and entropy.  Steps alternate between the variants, in a rotat
 order, so machine noise hits all; the figure is the fastest step of each (noise on a
 shared machine only ever adds time).  ``learner_step_extra_prox`` reports the cost of the
 optional extra proximal forward (``prox_forward="extra"``).
+
+Packing (``learner_packed_vs_padded``): the learner's step with ``algo.packing=varlen``
+(episodes packed end to end, per-episode attention) against the same step with
+``padded`` (sorted by length, right-padded), on groups of uneven episodes (1 to
+``--learner-max-turns`` turns each, as multi-turn runs produce) at the default
+micro-batch budget; trained (real) tokens/s, same alternating fastest-step method.
+``learner_padded_tokens_per_real`` is the learner's own ``perf/padding_ratio`` metric
+(positions the forward computes per real token) of the packed step, target <= 1.05;
+``..._padded`` reports the padded step's.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learner-hidden", type=int, default=128, help="tiny model hidden size (default 128)")
     parser.add_argument("--learner-layers", type=int, default=2, help="tiny model layers (default 2)")
     parser.add_argument("--learner-vocab", type=int, default=2048, help="tiny model vocabulary (default 2048)")
+    parser.add_argument("--learner-max-turns", type=int, default=8,
+                        help="packing figures: episodes play 1..N turns (default 8)")
 
 
 def _baseline(model_path: str, groups, lr: float):
@@ -104,6 +115,8 @@ def run(args: argparse.Namespace) -> list[Result]:
                 fn() if name == "base" else fn(groups)
                 if i:
                     times[name].append(time.perf_counter() - t0)
+        packing = _packing(path, cfg, synthetic_groups(g_n, g_size, vocab=vocab, prompt_len=64, tokens_per_turn=32, obs_len=24,
+                                                       seed=1, max_turns=getattr(args, "learner_max_turns", 8)), steps)
     if os.environ.get("TURNSCALE_BENCH_DEBUG"):
         print({k: [round(x, 3) for x in v] for k, v in times.items()})
     tps = {k: tokens / min(v) for k, v in times.items()}
@@ -111,7 +124,50 @@ def run(args: argparse.Namespace) -> list[Result]:
     return [
         result("learner_step_tokens_per_s", tps["auto"], "tokens/s", desc, tps["base"], target=0.9),
         result("learner_step_extra_prox", tps["extra"], "tokens/s", desc + " (extra proximal forward)", tps["base"]),
+        *packing,
     ]
+
+
+def _packing(path: str, cfg, groups, steps: int) -> list[Result]:
+    """Packed (varlen) against padded learner steps on uneven episodes; see the module docstring."""
+    import copy
+    import time
+
+    from learner.trainer import Trainer
+
+    base = copy.deepcopy(cfg)
+    base.algo.micro_batch_tokens = type(cfg.algo)().micro_batch_tokens  # the default budget, as a run uses
+    trainers = {mode: Trainer(_with_packing(base, mode), path) for mode in ("varlen", "padded")}
+    times: dict[str, list[float]] = {m: [] for m in trainers}
+    ratio: dict[str, float] = {}
+    tokens = 0.0
+    order = list(trainers)
+    for i in range(steps + 1):  # step 0 warms up
+        for mode in order[i % 2:] + order[:i % 2]:
+            t0 = time.perf_counter()
+            m = trainers[mode].train_step(groups)
+            if i:
+                times[mode].append(time.perf_counter() - t0)
+            ratio[mode] = m["perf/padding_ratio"]
+            tokens = m["perf/tokens"]  # trained tokens (trailing non-trainable tokens trimmed)
+    tps = {k: tokens / min(v) for k, v in times.items()}
+    desc = f"{int(tokens)} tokens of {sum(len(g.episodes) for g in groups)} uneven episodes"
+    return [
+        result("learner_packed_vs_padded", tps["varlen"], "tokens/s", f"padded learner step, {desc}", tps["padded"], target=1.0),
+        result("learner_padded_tokens_per_real", ratio["varlen"], "positions/token", "no padding (1.0); target <= 1.05",
+               1.0, target=round(1 / 1.05, 4), lower_is_better=True),
+        result("learner_padded_tokens_per_real_padded", ratio["padded"], "positions/token", "no padding (1.0), padded step",
+               1.0, lower_is_better=True),
+    ]
+
+
+def _with_packing(cfg, mode: str):
+    """A copy of ``cfg`` with ``algo.packing = mode``."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    out.algo.packing = mode
+    return out
 
 
 def _with_prox(cfg, mode: str):

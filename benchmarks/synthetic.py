@@ -58,16 +58,20 @@ def synthetic_episode(rng: np.random.Generator, *, vocab: int, prompt_len: int, 
 
 
 def synthetic_groups(n_groups: int, group_size: int, *, vocab: int = 1024, prompt_len: int = 32, turns: int = 3,
-                     tokens_per_turn: int = 16, obs_len: int = 12, seed: int = 0, turn_limit: int = 10) -> list[TrajectoryGroup]:
+                     tokens_per_turn: int = 16, obs_len: int = 12, seed: int = 0, turn_limit: int = 10,
+                     max_turns: int = 0) -> list[TrajectoryGroup]:
     """``n_groups`` groups of random multi-turn episodes with 0/1 rewards (never all equal
-    within a group when ``group_size > 1``: the first two episodes get 1 and 0)."""
+    within a group when ``group_size > 1``: the first two episodes get 1 and 0).  With
+    ``max_turns`` > 0 each episode plays a uniform 1..max_turns turns instead of ``turns``
+    (uneven lengths, as multi-turn runs produce)."""
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(n_groups):
         rewards = rng.integers(0, 2, group_size).astype(float)
         if group_size > 1:
             rewards[0], rewards[1] = 1.0, 0.0
-        eps = [synthetic_episode(rng, vocab=vocab, prompt_len=prompt_len, turns=turns, tokens_per_turn=tokens_per_turn,
+        eps = [synthetic_episode(rng, vocab=vocab, prompt_len=prompt_len,
+                                 turns=int(rng.integers(1, max_turns + 1)) if max_turns > 0 else turns, tokens_per_turn=tokens_per_turn,
                                  obs_len=obs_len, reward=float(r), turn_limit=turn_limit,
                                  finish_reason="done" if r > 0 else "turn_limit") for r in rewards]
         groups.append(TrajectoryGroup(lease_id=f"l-{g}", actor_id="synthetic", task=Task(env="babyai", data_idx=g),

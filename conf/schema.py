@@ -255,7 +255,12 @@ class AlgoConfig(PPOLossConfig):
     lam: float = 1.0
     value_coef: float = 0.5
     micro_batch_tokens: int = 8192
-    """Token budget per micro-batch (sequences sorted by length and packed)."""
+    """Token budget per micro-batch: real tokens with ``packing=varlen``, padded positions
+    (rows x longest) with ``padded``."""
+    packing: str = "varlen"
+    """``varlen``: each micro-batch's episodes packed end to end in one row, attention kept
+    per episode (``learner.packing``; no padding is computed); ``padded``: sorted by length
+    and right-padded (the forward computes the pads too).  Same losses and gradients."""
     loss_agg: str = "token_mean"
     """``token_mean`` (every loss token weighs the same) or ``seq_mean_token_mean`` (every
     episode weighs the same; not applied to ``ppo``)."""
@@ -272,6 +277,7 @@ class AlgoConfig(PPOLossConfig):
         _require(self.lr_schedule in ("constant", "cosine"), "algo.lr_schedule", "constant or cosine")
         _require(self.behaviour_cap >= 1, "algo.behaviour_cap", "must be >= 1")
         _require(self.micro_batch_tokens > 0, "algo.micro_batch_tokens", "must be > 0")
+        _require(self.packing in ("varlen", "padded"), "algo.packing", f"{self.packing!r}; choose varlen or padded")
         _require(self.loss_agg in ("token_mean", "seq_mean_token_mean"), "algo.loss_agg", f"{self.loss_agg!r}; choose token_mean or seq_mean_token_mean")
         _require(self.prox_forward in ("auto", "extra"), "algo.prox_forward", f"{self.prox_forward!r}; choose auto or extra")
 
@@ -453,6 +459,12 @@ class ActorConfig:
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
     env_url: str = ""
     """Override the env server URL the learner announces (e.g. a host-local envhub)."""
+    env_batch_steps: bool = False
+    """Coalesce the concurrent env steps of this actor's episodes into ``POST
+    /v1/step_batch`` requests (envhub servers only; ``common.envclient``).  Worth it for fast,
+    CPU-bound envs (BabyAI, TextCraft: ~2x the steps per CPU second of one request per
+    step); leave off for envs whose steps wait on something else (SciWorld's JVMs), which a
+    batch would run one after another."""
     verify_weights: bool = True
     """After every swap, checksum the engine's weights against the pulled bytes (engines
     that can: ``hf``); a mismatch (torn or corrupted weights) is counted as

@@ -17,12 +17,18 @@ Invariants:
 - Each instance belongs to the client that created it (``client``: peer address plus the
   optional ``X-Envhub-Client`` token); a client holds at most ``max_instances_per_client``.
 - The sweeper closes instances idle longer than ``idle_timeout_s`` that are not in use.
+- ``step_many`` (the ``/v1/step_batch`` route) steps several distinct instances in ONE worker
+  call under ONE ``call_timeout_s`` deadline, holding all their locks (taken in id order, so
+  two batches never deadlock); each step keeps its own outcome, state and error as if it had
+  been sent alone, except that an overrun of the batch's deadline breaks every instance of
+  the batch (504 each).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import secrets
 import time
@@ -168,11 +174,7 @@ class InstanceTable:
         inst.users += 1
         try:
             async with inst.lock:
-                if inst.closing or self.instances.get(inst.id) is not inst:
-                    raise ApiError(404, "not_found", f"env instance {inst.id} was closed while this request waited; create a new one")
-                if inst.state == "broken":
-                    raise self._broken(inst)
-                self._check_state(inst, kind)
+                self._usable(inst, kind)
                 t0 = time.perf_counter()
                 try:
                     out = await self._call(fn, *args, on_late=lambda _f: self.workers.submit(inst.env.close))
@@ -187,21 +189,34 @@ class InstanceTable:
                     self._abandon(inst, kind)
                     raise ApiError(504, "deadline_exceeded", f"env instance {inst.id}: {kind} did not finish within {self.limits.call_timeout_s:g} s; "
                                    "the instance is broken and was closed: create a new one") from None
-                except EnvBusy as exc:  # temporary: the instance stays usable
-                    if kind == "reset":  # the old episode was given up before the resource ran out
-                        inst.state = "new"
-                    log.warning("env instance %d: %s refused: %s", inst.id, kind, exc)
-                    raise ApiError(503, "busy", f"env instance {inst.id}: {kind} cannot run now: {exc}; retry later", retry_after_s=BUSY_RETRY_AFTER_S) from None
-                except Exception as exc:  # the env failed: never leak the trace to the client
-                    inst.state = "broken"
-                    log.exception("env instance %d: %s failed", inst.id, kind)
-                    raise ApiError(500, "env_error", f"env instance {inst.id} raised {type(exc).__name__} during {kind}; it is now broken: close it and create a new one") from None
+                except Exception as exc:
+                    raise self._failure(inst, kind, exc) from None
                 finally:
                     inst.last_used = time.monotonic()
                 self.latency[kind].add(time.perf_counter() - t0)
                 return out
         finally:
             inst.users -= 1
+
+    def _failure(self, inst: Instance, kind: str, exc: Exception) -> ApiError:
+        """The answer to an env call that raised: ``EnvBusy`` is temporary (503, the instance
+        stays usable); anything else breaks the instance (500, the trace is logged, never sent)."""
+        if isinstance(exc, EnvBusy):
+            if kind == "reset":  # the old episode was given up before the resource ran out
+                inst.state = "new"
+            log.warning("env instance %d: %s refused: %s", inst.id, kind, exc)
+            return ApiError(503, "busy", f"env instance {inst.id}: {kind} cannot run now: {exc}; retry later", retry_after_s=BUSY_RETRY_AFTER_S)
+        inst.state = "broken"
+        log.error("env instance %d: %s failed", inst.id, kind, exc_info=exc)
+        return ApiError(500, "env_error", f"env instance {inst.id} raised {type(exc).__name__} during {kind}; it is now broken: close it and create a new one")
+
+    def _usable(self, inst: Instance, kind: str) -> None:
+        """Raise unless ``inst`` (whose lock the caller holds) may run ``kind`` now."""
+        if inst.closing or self.instances.get(inst.id) is not inst:
+            raise ApiError(404, "not_found", f"env instance {inst.id} was closed while this request waited; create a new one")
+        if inst.state == "broken":
+            raise self._broken(inst)
+        self._check_state(inst, kind)
 
     def _check_state(self, inst: Instance, kind: str) -> None:
         if kind in ("step", "observation", "expert") and inst.state == "new":
@@ -273,6 +288,9 @@ class InstanceTable:
     async def step(self, env_id: int, action: str) -> StepResult:
         inst = self._get(env_id)
         out: StepResult = await self._run(inst, "step", inst.env.step, action)
+        return self._after_step(inst, out)
+
+    def _after_step(self, inst: Instance, out: StepResult) -> StepResult:
         inst.steps += 1
         self.counters["steps"] += 1
         if self.max_env_steps and inst.steps >= self.max_env_steps and not out.done:
@@ -281,6 +299,67 @@ class InstanceTable:
         if out.done:
             inst.state = "done"
         return out
+
+    async def step_many(self, items: list[tuple[int, str]]) -> list[StepResult | ApiError]:
+        """``(id, action)`` steps on distinct instances in one worker call (module docstring);
+        per item its ``StepResult`` or the ``ApiError`` it would have got alone, in order."""
+        if len({env_id for env_id, _ in items}) != len(items):
+            raise ApiError(422, "duplicate_id", "a step batch names an instance more than once; send one step per instance")
+        out: list[StepResult | ApiError | None] = [None] * len(items)
+        insts: dict[int, Instance] = {}
+        for k, (env_id, _) in enumerate(items):
+            try:
+                insts[k] = self._get(env_id)
+            except ApiError as exc:
+                out[k] = exc
+        order = sorted(insts, key=lambda k: insts[k].id)
+        for k in order:
+            insts[k].users += 1
+        try:
+            async with contextlib.AsyncExitStack() as locks:
+                for k in order:
+                    await locks.enter_async_context(insts[k].lock)
+                ready = []
+                for k in order:
+                    try:
+                        self._usable(insts[k], "step")
+                        ready.append(k)
+                    except ApiError as exc:
+                        out[k] = exc
+                if ready:
+                    await self._step_ready([insts[k] for k in ready], [items[k][1] for k in ready], ready, out)
+        finally:
+            for k in order:
+                insts[k].users -= 1
+        return out  # type: ignore[return-value]
+
+    async def _step_ready(self, insts: list[Instance], actions: list[str], slots: list[int], out: list[Any]) -> None:
+        """One worker call stepping ``insts`` (locks held, states checked); fills ``out[slots]``."""
+        calls = [(inst.env.step, action) for inst, action in zip(insts, actions)]
+        t0 = time.perf_counter()
+        try:
+            results = await self._call(_call_each, calls, on_late=lambda _f: [self.workers.submit(i.env.close) for i in insts])
+        except ApiError as exc:  # workers exhausted: nothing ran
+            for k in slots:
+                out[k] = exc
+            return
+        except (asyncio.CancelledError, CallOverran) as exc:
+            for inst in insts:
+                inst.state = "broken"
+                self._abandon(inst, "step", "was cancelled" if isinstance(exc, asyncio.CancelledError) else "")
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            for inst, k in zip(insts, slots):
+                out[k] = ApiError(504, "deadline_exceeded", f"env instance {inst.id}: a step batch did not finish within {self.limits.call_timeout_s:g} s; "
+                                  "the instance is broken and was closed: create a new one")
+            return
+        finally:
+            now = time.monotonic()
+            for inst in insts:
+                inst.last_used = now
+        self.latency["step_batch"].add(time.perf_counter() - t0)
+        for inst, k, (ok, value) in zip(insts, slots, results):
+            out[k] = self._after_step(inst, value) if ok else self._failure(inst, "step", value)
 
     async def observation(self, env_id: int) -> str:
         inst = self._get(env_id)
@@ -384,3 +463,15 @@ class InstanceTable:
             "uptime_s": round(time.time() - self.started, 3),
             "cpu_s": round(time.process_time(), 4),
         }
+
+
+def _call_each(calls: list[tuple[Callable[[Any], Any], Any]]) -> list[tuple[bool, Any]]:
+    """Run ``fn(arg)`` for each call in order (in a worker thread); ``(True, result)`` or
+    ``(False, exception)`` per call, so one failing env does not stop the others."""
+    out: list[tuple[bool, Any]] = []
+    for fn, arg in calls:
+        try:
+            out.append((True, fn(arg)))
+        except Exception as exc:
+            out.append((False, exc))
+    return out

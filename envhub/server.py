@@ -32,6 +32,13 @@ Routes (both faces unless noted):
   (SciWorld: the room alone, since AgentGym's client prepends ``task_description`` itself).
 - ``POST /step {"id" | "env_idx", "action"}`` -> ``{"observation", "reward", "done",
   "truncated", "info", ...extra}`` (``extra`` holds AgentGym fields such as ``score``)
+- ``POST /v1/step_batch {"steps": [{"id", "action"}, ...]}`` (our face only; AgentGym's
+  routes are untouched) -> ``{"results": [...]}``, one per step in order: the ``/step`` reply,
+  or ``{"error": {"code", "message", "status"}}`` with the status that step alone would have
+  got.  At most ``MAX_BATCH_STEPS`` steps on distinct instances, run in one worker call
+  (``InstanceTable.step_many``); a malformed batch (not a list, a bad item, a repeated id) is
+  a 422 naming the item, and then no step runs.  ``EnvClient(batch_steps=True)`` coalesces
+  concurrent ``step`` calls into it.
 - ``GET /observation?id=`` -> the observation as a JSON string (AgentGym's shape); AgentGym
   face of BabyAI: ``{"observation", "reward", "score", "done", "deleted"}``.
 - AgentGym's per-env extra routes (AgentGym face; 404 ``no_route`` for families without them):
@@ -89,6 +96,8 @@ from envhub.instances import ApiError, InstanceTable
 log = logging.getLogger("envhub")
 
 MAX_ACTION_CHARS = 64 * 1024
+MAX_BATCH_STEPS = 256
+"""Steps per ``/v1/step_batch`` request."""
 CLIENT_HEADER = "x-envhub-client"
 """Optional header: a token naming the client (e.g. one per actor process) for quotas."""
 MAX_CLIENT_TOKEN = 64
@@ -215,13 +224,48 @@ async def reset(request: Request) -> Response:
     return _json({**extra, "id": env_id, "observation": agentgym_obs, "done": False, "reward": 0.0, "truncated": False, "info": out.info})
 
 
+def _step_payload(out: Any) -> dict[str, Any]:
+    info = {**out.info, "success": bool(out.info.get("success", False))}
+    return {**out.extra, "observation": out.observation, "reward": float(out.reward), "done": bool(out.done), "truncated": bool(out.truncated), "info": info}
+
+
 async def step(request: Request) -> Response:
     data = await _body(request)
     env_id, action = instance_id(data), action_text(data)
-    out = await _table(request).step(env_id, action)
-    info = {**out.info, "success": bool(out.info.get("success", False))}
-    payload = {**out.extra, "observation": out.observation, "reward": float(out.reward), "done": bool(out.done), "truncated": bool(out.truncated), "info": info}
-    return _json(payload)
+    return _json(_step_payload(await _table(request).step(env_id, action)))
+
+
+def batch_items(data: dict[str, Any]) -> list[tuple[int, str]]:
+    """``(id, action)`` pairs of a step batch body; 422 naming the first bad item."""
+    steps = data.get("steps")
+    if not isinstance(steps, list) or not steps:
+        raise ApiError(422, "invalid_field", "field 'steps' must be a non-empty list of {\"id\", \"action\"} objects")
+    if len(steps) > MAX_BATCH_STEPS:
+        raise ApiError(422, "invalid_field", f"field 'steps' has {len(steps)} items; the limit is {MAX_BATCH_STEPS} per request")
+    items = []
+    for k, item in enumerate(steps):
+        try:
+            if not isinstance(item, dict):
+                raise ApiError(422, "invalid_field", f"must be an object, got {type(item).__name__}")
+            if "id" not in item:
+                raise ApiError(422, "missing_field", "missing field 'id' (the env instance id from POST /create)")
+            items.append((_int_field(item, "id"), action_text(item)))
+        except ApiError as exc:
+            raise ApiError(exc.status, exc.code, f"steps[{k}]: {exc.message}") from None
+    return items
+
+
+async def step_batch(request: Request) -> Response:
+    items = batch_items(await _body(request))
+    table = _table(request)
+    results = await table.step_many(items)
+    for r in results:
+        if isinstance(r, ApiError):
+            table.errors[r.code] += 1  # as the error handler counts a single step's
+    return _json({"results": [
+        {"error": {"code": r.code, "message": r.message, "status": r.status}} if isinstance(r, ApiError) else _step_payload(r)
+        for r in results
+    ]})
 
 
 async def observation(request: Request) -> Response:
@@ -345,7 +389,7 @@ AGENTGYM_EXTRA: tuple[tuple[str, list[str]], ...] = (
 )
 """AgentGym's per-env extra routes (root face only); a family serves those in its
 ``agentgym.extra_routes``."""
-_PATHS = frozenset([p for p, _, _ in _OPS] + [V1 + p for p, _, _ in _OPS] + [p for p, _ in AGENTGYM_EXTRA] + ["/"])
+_PATHS = frozenset([p for p, _, _ in _OPS] + [V1 + p for p, _, _ in _OPS] + [p for p, _ in AGENTGYM_EXTRA] + ["/", V1 + "/step_batch"])
 
 
 class _Timing:
@@ -409,6 +453,7 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
             await _close_family(family, table.limits.shutdown_timeout_s)
 
     routes = [Route(prefix + path, fn, methods=methods) for prefix in ("", V1) for path, fn, methods in _OPS]
+    routes.append(Route(V1 + "/step_batch", step_batch, methods=["POST"]))
     routes += [Route(path, agentgym_extra, methods=methods) for path, methods in AGENTGYM_EXTRA]
     routes.append(Route("/", health, methods=["GET"]))
     handlers = {ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal_error}

@@ -12,7 +12,11 @@ One ``train_step(groups)`` is ONE optimizer step, in this order:
    after the stream bootstraps truncated episodes); rows without trainable tokens skip;
 2. advantages (``learner.advantages``): group estimators per group, REINFORCE++ over the
    batch, PPO's GAE per row from the critic's values before the step;
-3. micro-batches by token budget (``learner.batching``); for each: forward, log-probs
+3. micro-batches by token budget: with ``algo.packing=varlen`` (default) the episodes of a
+   micro-batch are packed end to end in one row with per-episode attention
+   (``learner.packing``: no padding is computed, per-token outputs come back in the padded
+   ``[B, T]`` layout); with ``padded``, sorted by length and right-padded
+   (``learner.batching``).  For each: forward, log-probs
    (``learner.logprobs`` convention, ``sampling.temperature``), decoupled-PPO loss
    normalised by the whole batch's loss-token count (``learner.loss``), backward;
 4. clip grad norm, optimizer step, LR step, ``step += 1`` — unless the gradient norm is
@@ -51,6 +55,7 @@ from torch import nn
 from learner import advantages as adv_mod
 from learner import checkpoint as ckpt
 from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
+from learner.packing import Pack, pack_sequences, plan_packs, use_varlen_attention
 from learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
 from learner.loss import LossMetrics, ppo_loss, sft_loss, value_loss
 from protocol.dtypes import float_torch_dtype
@@ -73,6 +78,18 @@ class _Row:
     prox: np.ndarray | None = None
     old_values: np.ndarray | None = None
     bootstrap: float = 0.0
+
+
+@dataclass
+class _Micro:
+    """One micro-batch's tensors: the padded ``[B, T]`` layout the losses use, plus the
+    packed row the model runs on when ``algo.packing=varlen`` (``pack`` is None when padded)."""
+
+    ids: torch.Tensor
+    attn: torch.Tensor
+    mask: torch.Tensor
+    mu: torch.Tensor
+    pack: Pack | None
 
 
 def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
@@ -140,8 +157,11 @@ class Trainer:
         self.device = self.accelerator.device
         set_seed(cfg.learner.seed)
 
+        self.packing = cfg.algo.packing
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False
+        if self.packing == "varlen":
+            use_varlen_attention(model)
         model.train()
         self.tokenizer = _load_tokenizer(model_path)
         self.model = self.accelerator.prepare_model(model)
@@ -157,6 +177,8 @@ class Trainer:
             ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             ref.config.use_cache = False
             ref.requires_grad_(False).eval()
+            if self.packing == "varlen":
+                use_varlen_attention(ref)
             self.ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -191,7 +213,7 @@ class Trainer:
         if not rows:
             return self._finish_empty(t0, skipped, degenerate)
         self._advantages(groups, rows)
-        plan = plan_micro_batches([len(r.ids) for r in rows], self.algo.micro_batch_tokens)
+        plan = self._plan(rows)
         num_tokens = self._normaliser(sum(float(r.mask.sum()) for r in rows))
         if self.prox_forward == "extra":
             self._proximal_pass(rows, plan)
@@ -218,15 +240,14 @@ class Trainer:
         rows, skipped = self._rows_from_episodes(episodes, trim=True)
         if not rows:
             return self._finish_empty(t0, skipped, 0)
-        plan = plan_micro_batches([len(r.ids) for r in rows], self.algo.micro_batch_tokens)
+        plan = self._plan(rows)
         num_tokens = self._normaliser(sum(float(r.mask.sum()) for r in rows))
         nll = 0.0
         for i, mb in enumerate(plan):
             sync = i == len(plan) - 1
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
-                ids, attn, mask, _ = self._collate([rows[j] for j in mb])
-                logits = self.model(input_ids=ids, attention_mask=attn).logits
-                loss = sft_loss(logprobs_BT=token_logprobs_BT(logits, ids, self.temperature), mask_BT=mask, num_tokens=num_tokens)
+                micro = self._collate([rows[j] for j in mb])
+                loss = sft_loss(logprobs_BT=self._token_logprobs(self.model, micro), mask_BT=micro.mask, num_tokens=num_tokens)
                 self.accelerator.backward(loss)
                 nll += float(loss.detach())
         out = self._optimizer_step()
@@ -363,25 +384,45 @@ class Trainer:
             local_tokens = float(self.accelerator.reduce(t, reduction="sum")[0])
         return accumulation_normaliser(int(local_tokens), world)
 
-    def _collate(self, rows: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plan(self, rows: Sequence[_Row]) -> list[list[int]]:
+        lengths = [len(r.ids) for r in rows]
+        if self.packing == "varlen":
+            return plan_packs(lengths, self.algo.micro_batch_tokens)
+        return plan_micro_batches(lengths, self.algo.micro_batch_tokens)
+
+    def _collate(self, rows: Sequence[_Row]) -> _Micro:
         d = self.device
         ids = pad_BT([r.ids for r in rows]).to(d)
         attn = pad_BT([np.ones(len(r.ids), dtype=np.int64) for r in rows]).to(d)
         mask = pad_BT([r.mask for r in rows]).to(d)
         mu = pad_BT([r.mu for r in rows]).to(d)
-        return ids, attn, mask, mu
+        pack = pack_sequences([r.ids for r in rows], d) if self.packing == "varlen" else None
+        return _Micro(ids, attn, mask, mu, pack)
 
-    def _forward(self, rows: Sequence[_Row], ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, *, grad_entropy: bool):
+    def _run(self, model: Any, micro: _Micro, **kw: Any) -> tuple[Any, torch.Tensor, Callable[..., torch.Tensor]]:
+        """``model``'s forward on the micro-batch: (output, the ids it saw, a function taking
+        its per-token tensors to the padded ``[B, T]`` layout)."""
+        if micro.pack is None:
+            return model(input_ids=micro.ids, attention_mask=micro.attn, **kw), micro.ids, lambda x, shifted=False: x
+        return model(**micro.pack.model_inputs(), **kw), micro.pack.input_ids_1N, micro.pack.unpack_BT
+
+    def _token_logprobs(self, model: Any, micro: _Micro) -> torch.Tensor:
+        out, ids, unpack = self._run(model, micro)
+        return unpack(token_logprobs_BT(out.logits, ids, self.temperature), shifted=True)
+
+    def _forward(self, rows: Sequence[_Row], micro: _Micro, *, grad_entropy: bool):
         """Forward through the policy: (logprobs_BT, entropy_BT on mask tokens, values_BT | None, bootstrap_B | None)."""
         want_hidden = self.value_head is not None
-        out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=want_hidden)
-        logp, ent = logprobs_and_entropy_BT(out.logits, ids, self.temperature, entropy_mask_BT=mask, entropy_grad=grad_entropy)
+        out, ids, unpack = self._run(self.model, micro, output_hidden_states=want_hidden)
+        ent_mask = micro.mask if micro.pack is None else micro.pack.pack_1N([r.mask for r in rows])
+        logp, ent = logprobs_and_entropy_BT(out.logits, ids, self.temperature, entropy_mask_BT=ent_mask, entropy_grad=grad_entropy)
+        logp, ent = unpack(logp, shifted=True), unpack(ent, shifted=True)
         values = boot = None
         if want_hidden:
-            v_all = self.value_head(out.hidden_states[-1].float()).squeeze(-1)
+            v_all = unpack(self.value_head(out.hidden_states[-1].float()).squeeze(-1))
             values = torch.nn.functional.pad(v_all[:, :-1], (1, 0), value=0.0)
-            lengths = torch.tensor([len(r.ids) for r in rows], device=ids.device)
-            boot = v_all[torch.arange(len(rows), device=ids.device), lengths - 1]
+            lengths = torch.tensor([len(r.ids) for r in rows], device=v_all.device)
+            boot = v_all[torch.arange(len(rows), device=v_all.device), lengths - 1]
         return logp, ent, values, boot
 
     @torch.no_grad()
@@ -389,8 +430,7 @@ class Trainer:
         """The extra no-grad forward: pi_prox (and the critic's values) before the step."""
         for mb in plan:
             sub = [rows[j] for j in mb]
-            ids, attn, mask, _ = self._collate(sub)
-            logp, _, values, boot = self._forward(sub, ids, attn, mask, grad_entropy=False)
+            logp, _, values, boot = self._forward(sub, self._collate(sub), grad_entropy=False)
             for b, r in enumerate(sub):
                 n = len(r.ids)
                 r.prox = logp[b, :n].float().cpu().numpy()
@@ -399,8 +439,9 @@ class Trainer:
                     r.bootstrap = float(boot[b]) if r.truncated else 0.0
 
     def _policy_micro_batch(self, rows: list[_Row], num_tokens: float) -> tuple[LossMetrics, float]:
-        ids, attn, mask, mu = self._collate(rows)
-        logp, ent, values, boot = self._forward(rows, ids, attn, mask, grad_entropy=self.loss_cfg.entropy_coef != 0)
+        micro = self._collate(rows)
+        mask, mu = micro.mask, micro.mu
+        logp, ent, values, boot = self._forward(rows, micro, grad_entropy=self.loss_cfg.entropy_coef != 0)
         if self.prox_forward == "extra":
             prox = pad_BT([r.prox for r in rows]).to(self.device)
         else:
@@ -408,7 +449,7 @@ class Trainer:
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = token_logprobs_BT(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids, self.temperature)
+                ref = self._token_logprobs(self.ref_model, micro)
         vloss = None
         if values is not None:
             if self.prox_forward == "extra":
@@ -447,6 +488,10 @@ class Trainer:
         self.step += 1
         return {"loss/grad_norm": float(grad_norm), "loss/lr": float(lr)}
 
+    def _padded_tokens(self, lengths: Sequence[int]) -> int:
+        """Token positions the forward computes for one micro-batch of these lengths."""
+        return sum(lengths) if self.packing == "varlen" else len(lengths) * max(lengths)
+
     def _finish_empty(self, t0: float, skipped: int, degenerate: int) -> dict[str, float]:
         """Nothing trainable: no optimizer step, so ``step`` does not advance."""
         return {"loss/degenerate_groups": float(degenerate), "perf/skipped_episodes": float(skipped),
@@ -455,6 +500,7 @@ class Trainer:
     def _perf(self, t0: float, rows: list[_Row], plan: list[list[int]], skipped: int) -> dict[str, float]:
         dt = time.perf_counter() - t0
         tokens = float(sum(len(r.ids) for r in rows))
+        padded = float(sum(self._padded_tokens([len(rows[j].ids) for j in mb]) for mb in plan))
         return {
             "perf/step_s": dt,
             "perf/tokens": tokens,
@@ -463,7 +509,8 @@ class Trainer:
             "perf/episodes": float(len(rows)),
             "perf/skipped_episodes": float(skipped),
             "perf/micro_batches": float(len(plan)),
-            "perf/padded_tokens": float(sum(len(mb) * max(len(rows[j].ids) for j in mb) for mb in plan)),
+            "perf/padded_tokens": padded,
+            "perf/padding_ratio": padded / tokens if tokens else 0.0,
         }
 
 

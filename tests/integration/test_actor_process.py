@@ -93,3 +93,45 @@ def test_actor_registers_pulls_swaps_survives_restart_and_stops_on_sigterm(tiny_
             learner.close()
             log.close()
             os.unlink(log.name)
+
+
+def test_an_actor_with_batched_env_steps_plays_groups_through_step_batch(tiny_model_dir):
+    """``actor.env_batch_steps=true``: the actor's concurrent episodes reach the real envhub
+    through ``POST /v1/step_batch`` and its groups come back whole."""
+    import json
+    import urllib.request
+
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    with envhub_server("babyai") as env_url:
+        learner = StandInLearner(model_path=tiny_model_dir, env_url=env_url, state_dict=sd, group_size=4, turn_limit=4, max_new_tokens=64)
+        learner.start()
+        log = tempfile.NamedTemporaryFile("w+", prefix="actor-", suffix=".log", delete=False)
+        args = [sys.executable, "-m", "turnscale", "actor", f"actor.learner_port={learner.port}", "actor.max_groups=2",
+                "actor.request_timeout_s=3", "actor.shutdown_grace_s=5", "actor.actor_id=batch-actor", "actor.env_batch_steps=true",
+                "engine=sim", "engine.max_batch=8"]  # the sim engine writes agent-style text: its actions parse and reach the env
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            learner.wait_for(lambda: len(learner.groups) >= 4, 120, "four groups")
+            for g, lease in learner.groups:
+                assert not g.failed, g.error
+                assert len(g.episodes) == lease.group_size
+            with urllib.request.urlopen(env_url + "/v1/metrics", timeout=10) as r:
+                m = json.loads(r.read())
+            assert m["steps"] > 0 and m["latency"]["step_batch"]["count"] > 0 and "http /v1/step" not in m["latency"]
+            assert m["errors"] == {}
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert not learner.errors
+        except BaseException:
+            log.seek(0)
+            print(log.read()[-6000:])
+            raise
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            learner.close()
+            log.close()
+            os.unlink(log.name)

@@ -260,3 +260,81 @@ def test_expert_action_over_http_solves_babyai_tasks():
                     assert out.done and out.info["success"], idx
 
         trio.run(main)
+
+
+def test_batched_steps_give_every_episode_the_replies_of_single_steps():
+    """64 concurrent BabyAI episodes through ``EnvClient(batch_steps=True)`` see exactly what
+    the same episodes see one ``/v1/step`` at a time, in far fewer requests."""
+    pytest.importorskip("minigrid")
+    from tests.envhub_proc import envhub_server
+
+    actions = ("turn left", "move forward", "turn right", "move forward", "check available actions", "pick up the ball")
+    n, turns = 64, 6
+
+    async def play(url, batch_steps):
+        out: dict[int, list] = {}
+        async with EnvClient(url, batch_steps=batch_steps, max_connections=n) as c:
+            ids = [await c.create() for _ in range(n)]
+            for k, i in enumerate(ids):
+                await c.reset(i, k)
+
+            async def episode(k):
+                seq = []
+                for t in range(turns):
+                    r = await c.step(ids[k], actions[(k + t) % len(actions)])
+                    seq.append((r.observation, r.reward, r.done))
+                    if r.done:
+                        break
+                out[k] = seq
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for k in range(n):
+                        nursery.start_soon(episode, k)
+            for i in ids:
+                await c.close(i)
+        return out
+
+    with envhub_server("babyai", max_instances=512) as url:
+        single = trio.run(play, url, False)
+        batched = trio.run(play, url, True)
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(url + "/v1/metrics", timeout=10) as r:
+            latency = json.loads(r.read())["latency"]
+    assert batched == single
+    steps = sum(len(s) for s in batched.values())
+    assert latency["step_batch"]["count"] < steps / 4  # coalesced: many steps per request
+
+
+def test_batched_step_errors_are_per_step_and_typed():
+    pytest.importorskip("minigrid")
+    from tests.envhub_proc import envhub_server
+
+    with envhub_server("babyai") as url:
+
+        async def main():
+            async with EnvClient(url, batch_steps=True) as c:
+                i, fresh = await c.create(), await c.create()
+                await c.reset(i, 1)
+                got = {}
+
+                async def one(key, env_id):
+                    try:
+                        got[key] = await c.step(env_id, "turn left")
+                    except EnvHTTPError as exc:
+                        got[key] = exc
+
+                with trio.fail_after(60):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(one, "ok", i)
+                        nursery.start_soon(one, "not_reset", fresh)
+                        nursery.start_soon(one, "unknown", 12345)
+                assert got["ok"].observation and not got["ok"].done
+                assert isinstance(got["not_reset"], EnvHTTPError) and got["not_reset"].status == 409
+                assert isinstance(got["unknown"], EnvNotFound)
+                with pytest.raises(ValueError, match="batch_steps"):
+                    EnvClient(url, flavor="agentgym", batch_steps=True)
+
+        trio.run(main)

@@ -79,6 +79,10 @@ def test_build_actor_wires_typed_parts_that_follow_the_latest_welcome(tok, tmp_p
     assert isinstance(deps.make_runtime, RuntimeBuilder) and deps.make_runtime.actor_id == "a-7"
     assert deps.make_env_client is env_client and deps.pull is pull_into and deps.new_buffer is new_receive_buffer
     assert deps.new_buffer() is not None
+    batching = build_actor(conf.load(["engine=sim", "actor.env_batch_steps=true"])).deps.make_env_client
+    assert batching("http://127.0.0.1:9", "turnscale")._batcher is not None
+    assert batching("http://127.0.0.1:9", "agentgym")._batcher is None  # AgentGym's servers have no batch route
+    assert env_client("http://127.0.0.1:9", "turnscale")._batcher is None
 
     first = welcome(str(tmp_path), dataclasses.replace(SP, max_new_tokens=4))
     actor.welcome = first

@@ -155,3 +155,13 @@ def test_scaling_phase_rates_use_only_steps_with_that_many_actors():
     (a, b, busy) = e2e.scaling_results([one, two])
     assert (a.name, a.ratio) == ("scaling_sim_1actors", 1.0) and b.ratio == pytest.approx(2.0)
     assert busy.name == "learner_busy_2actors" and busy.target == 2.0 and busy.ok
+
+
+def test_a_run_folder_left_by_an_earlier_bench_is_emptied_before_a_run(tmp_path):
+    run_dir = tmp_path / "scaling"
+    (run_dir / "learner" / "checkpoints" / "step-4").mkdir(parents=True)
+    (run_dir / "learner" / "metrics.jsonl").write_text('{"step": 4, "time": 1.0}\n')
+    e2e.fresh_run_dir(run_dir)
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == []
+    e2e.fresh_run_dir(tmp_path / "new")
+    assert (tmp_path / "new").is_dir()
