@@ -446,6 +446,12 @@ class ActorConfig:
     reconnect_max_backoff_s: float = 10.0
     shutdown_grace_s: float = 10.0
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
+    stop_timeout_s: float = 3.0
+    """Once stopping, every request to the learner (the last groups, ``Goodbye``, a pending
+    ``Hello``), including one already waiting when the stop began, gets at most this long,
+    and so does closing the env instances: an actor whose learner and env server are gone
+    exits within ``shutdown_grace_s + 2 * stop_timeout_s`` (Slurm SIGKILLs ``KillWait``,
+    30 s, after SIGTERM)."""
     env_url: str = ""
     """Override the env server URL the learner announces (e.g. a host-local envhub)."""
     verify_weights: bool = True
