@@ -461,7 +461,8 @@ class Actor:
         hello = Hello(actor_id=self.actor_id, host=pysocket.gethostname(), pid=os.getpid(), engine=self.engine_name,
                       device=self.device, max_groups=self.cfg.max_groups, token=self._token,
                       relay_endpoint=relay.endpoint if relay is not None else "",
-                      relay_public_key=getattr(relay, "public_key", "") if relay is not None else "")
+                      relay_public_key=getattr(relay, "public_key", "") if relay is not None else "",
+                      pool=self.cfg.pool)
         backoff = 0.2
         while True:
             try:

@@ -17,6 +17,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "eval": ("turnscale.evaluate", "success / Avg@k / Pass@k of a checkpoint on an env split"),
     "bench": ("benchmarks.main", "throughput benchmarks, as ratios against in-run baselines"),
     "view": ("turnscale.viewer", "browse trajectories of a run directory in a local web app"),
+    "slurm": ("turnscale.slurm", "sbatch scripts for a Slurm cluster (learner, envhub, one actor array per pool); --dry-run prints them"),
     "keys": ("turnscale.keys", "write CURVE key files (learner, actors, authorized/) for non-loopback runs"),
 }
 

@@ -134,8 +134,10 @@ class ScalingBackend(Protocol):
         """Have ``n`` actors of ``pool`` running or starting (only ever used to add: removal drains)."""
 
     def drain(self, actor_id: str) -> None:
-        """Remove one actor gracefully: the learner stops leasing to it, its in-flight
-        groups finish, then the actor exits and its job/pod/worker is released."""
+        """Release one actor's job/pod/worker once the actor has left.  The caller
+        (``turnscale.control.Autoscaler``) has already told the learner to drain it: no new
+        lease, its in-flight groups finish, then the learner tells it ``Shutdown("drained")``
+        and it exits by itself (a Slurm array task then simply ends)."""
 
 
 class ScalingController:
