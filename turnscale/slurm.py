@@ -5,9 +5,11 @@ them (``--dry-run``: prints them and submits nothing):
 
 - ``learner.sbatch``: the learner, bound to all interfaces; once started it publishes
   its address as ``<dir>/learner.addr`` (``host port``, written to a temp file and renamed,
-  so a reader never sees half of it);
+  so a reader never sees half of it); when the learner exits the job writes
+  ``<dir>/learner.done``;
 - ``envhub.sbatch`` (unless ``slurm.env_url`` names an external env server): the env
-  server, publishing ``<dir>/envhub.url`` the same way;
+  server, publishing ``<dir>/envhub.url`` the same way; it stops the server and ends
+  once ``learner.done`` appears (the run is over: actors have been told ``Shutdown``);
 - ``actors-<pool>.sbatch``: one job array per pool (``slurm.pools``; ``--array=0-(count-1)``,
   the pool's ``-C``/``-p``/``--gres``, its engine overrides and environment); each task
   waits (at most ``slurm.wait_s``) for the address files, then runs ``turnscale actor``
@@ -86,11 +88,15 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
 
     learner = _sbatch_header("ts-learner", f"{run}/logs/learner-%j.log", partition=s.partition, account=s.account,
                              time=s.time, cpus=s.learner_cpus, constraint=s.learner_constraint, gres=s.learner_gres)
+    done = shlex.quote(f"{run}/learner.done")
     learner += ["# turnscale learner: trains, leases work, publishes weights; its address goes to learner.addr",
-                "set -euo pipefail", f"cd {shlex.quote(workdir)}",
+                "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
                 'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
                 *_publish(f"{run}/learner.addr", f'"$HOST {lc.port}"'),
-                f"exec {_q(py)} learner {_q(common)} learner.host=0.0.0.0"]
+                "rc=0",
+                f"{_q(py)} learner {_q(common)} learner.host=0.0.0.0 || rc=$?",
+                f"touch {done}  # tells the envhub job the run is over",
+                "exit $rc"]
     files["learner.sbatch"] = "\n".join(learner) + "\n"
 
     if not s.env_url:
@@ -100,7 +106,12 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}",
                 'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
                 *_publish(f"{run}/envhub.url", f'"http://$HOST:{cfg.env.port}"'),
-                f"exec {_q(py)} envhub {_q(common)} host=0.0.0.0 port={cfg.env.port}"]
+                f"{_q(py)} envhub {_q(common)} host=0.0.0.0 port={cfg.env.port} &",
+                "PID=$!",
+                "trap 'kill $PID 2>/dev/null' TERM INT",
+                f"while kill -0 $PID 2>/dev/null && [ ! -e {done} ]; do sleep 2; done",
+                "kill $PID 2>/dev/null || true",
+                "wait $PID || true"]
         files["envhub.sbatch"] = "\n".join(env) + "\n"
 
     for pool in s.pools:
@@ -203,6 +214,8 @@ def main(argv: Iterable[str] | None = None) -> int:
             print(f"# ===== {cfg.slurm.dir}/{name}\n{text}")
         return 0
     folder = Path(cfg.slurm.dir)
+    for stale in ("learner.addr", "envhub.url", "learner.done"):  # a previous run's: actors must not find them
+        (folder / stale).unlink(missing_ok=True)
     scripts.write(folder)
     try:
         jobs = submit(folder, scripts)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,36 @@ def test_submit_runs_sbatch_in_order_and_backend_adds_array_tasks(tmp_path):
     assert calls[-1][2] == "--array=4-4"
     b.cancel("ascend-104_0")
     assert calls[-1] == ["scancel", "104_0"]
+
+
+def test_envhub_job_ends_once_the_learner_job_has_finished(tmp_path):
+    """The learner job leaves ``learner.done`` behind whatever the learner's exit status;
+    the envhub job stops its server and ends when it appears (else it would hold its node
+    forever).  Both scripts run with ``python`` replaced by ``sleep``/``false``."""
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", f"slurm.workdir={tmp_path}"]
+    (tmp_path / "run").mkdir()
+    learner = slurm.render(conf.load([*overrides, "slurm.python=/bin/false"]), overrides).files["learner.sbatch"]
+    p = tmp_path / "l.sh"
+    p.write_text(learner)
+    r = subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1 and (tmp_path / "run/learner.done").exists()  # the learner's status, and the marker
+    (tmp_path / "run/learner.done").unlink()
+
+    fake = tmp_path / "fakepy"
+    fake.write_text("#!/bin/bash\nexec sleep 300\n")
+    fake.chmod(0o755)
+    envhub = slurm.render(conf.load([*overrides, f"slurm.python={fake}"]), overrides).files["envhub.sbatch"]
+    p = tmp_path / "e.sh"
+    p.write_text(envhub)
+    proc = subprocess.Popen(["bash", str(p)], env={"PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "run/envhub.url").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None
+        (tmp_path / "run/learner.done").touch()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
