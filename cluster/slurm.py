@@ -3,9 +3,11 @@
 Debian 12's ``slurm-wlm`` (22.05) with ``AuthType=auth/none``, ``CredType=cred/none``,
 ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``, one-second scheduler
 intervals, per-node spool folders, and node ``Features`` standing for actor pools (count-only
-GRES does not register in this setup).  Nodes here share the loopback address, one slurmd
-each with its own port (``NodeName=... Port=``).  Everything lives in one folder; commands
-(``sbatch``, ``squeue``, ``scancel``) get ``SLURM_CONF`` through ``env()``.
+GRES does not register in this setup).  Nodes are declared on the loopback address, one
+slurmd each with its own port (``NodeName=... Port=``); only one node is exercised so far
+(several slurmd on one address need Slurm's multiple-slurmd build; one slurmd per fake host
+in its own network namespace, ``cluster/netns.py``, is the way to several).  Everything lives
+in one folder; commands (``sbatch``, ``squeue``, ``scancel``) get ``SLURM_CONF`` through ``env()``.
 
 Teardown (``close``, also on failure): every job of this cluster is cancelled, the daemons
 get SIGTERM then SIGKILL by pid, and any process still running whose command line names this
