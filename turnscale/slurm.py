@@ -13,7 +13,11 @@ them (``--dry-run``: prints them and submits nothing):
 - ``actors-<pool>.sbatch``: one job array per pool (``slurm.pools``; ``--array=0-(count-1)``,
   the pool's ``-C``/``-p``/``--gres``, its engine overrides and environment); each task
   waits (at most ``slurm.wait_s``) for the address files, then runs ``turnscale actor``
-  with ``actor.pool=<pool>`` and ``actor.actor_id=<pool>-<array job>_<task>``.
+  with ``actor.pool=<pool>`` and ``actor.actor_id=<pool>-<array job>_<task>``, and stops
+  it (SIGTERM) once ``learner.done`` appears: a learner that was cancelled (it checkpoints
+  and may be resumed, so it does not tell actors the run is over) leaves no actor behind.
+
+Each script forwards the job's SIGTERM (``scancel``) to its process and waits for it.
 
 Every job gets the Hydra overrides given on the command line (minus ``slurm.*``), so
 ``env=``, ``model=``, ``algo=`` ... are the same everywhere.  ``SlurmBackend`` is the
@@ -50,6 +54,20 @@ def _sbatch_header(name: str, log: str, *, partition: str, account: str, time: s
         if value:
             lines.append(f"#SBATCH {flag}={value}")
     return lines
+
+
+def _until_done(cmd: str, done: str) -> list[str]:
+    """Shell lines running ``cmd`` until it exits or ``done`` appears (then SIGTERM: a role
+    stops within seconds), forwarding the job's SIGTERM to it; the script exits with its status."""
+    return [f"{cmd} &", "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT",
+            f"while kill -0 $PID 2>/dev/null && [ ! -e {done} ]; do sleep 2; done",
+            "kill -TERM $PID 2>/dev/null || true",
+            *_reap()]
+
+
+def _reap() -> list[str]:
+    """Wait for ``$PID`` (again after a trapped signal interrupted ``wait``); exit with its status."""
+    return ["rc=0; wait $PID || rc=$?", "while kill -0 $PID 2>/dev/null; do rc=0; wait $PID || rc=$?; done", "exit $rc"]
 
 
 def _publish(path: str, value: str) -> list[str]:
@@ -93,9 +111,10 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
                 'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
                 *_publish(f"{run}/learner.addr", f'"$HOST {lc.port}"'),
-                "rc=0",
-                f"{_q(py)} learner {_q(common)} learner.host=0.0.0.0 || rc=$?",
-                f"touch {done}  # tells the envhub job the run is over",
+                f"{_q(py)} learner {_q(common)} learner.host=0.0.0.0 &",
+                "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT  # scancel: the learner checkpoints and exits",
+                *_reap()[:2],
+                f"touch {done}  # the run is over: the envhub job and the actors stop",
                 "exit $rc"]
     files["learner.sbatch"] = "\n".join(learner) + "\n"
 
@@ -106,12 +125,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}",
                 'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
                 *_publish(f"{run}/envhub.url", f'"http://$HOST:{cfg.env.port}"'),
-                f"{_q(py)} envhub {_q(common)} host=0.0.0.0 port={cfg.env.port} &",
-                "PID=$!",
-                "trap 'kill $PID 2>/dev/null' TERM INT",
-                f"while kill -0 $PID 2>/dev/null && [ ! -e {done} ]; do sleep 2; done",
-                "kill $PID 2>/dev/null || true",
-                "wait $PID || true"]
+                *_until_done(f"{_q(py)} envhub {_q(common)} host=0.0.0.0 port={cfg.env.port}", done)]
         files["envhub.sbatch"] = "\n".join(env) + "\n"
 
     for pool in s.pools:
@@ -136,10 +150,10 @@ def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: lis
               f"read -r LEARNER_HOST LEARNER_PORT < {shlex.quote(run + '/learner.addr')}"]
     env_url = shlex.quote(s.env_url) if s.env_url else f"$(cat {shlex.quote(run + '/envhub.url')})"
     lines += [f"ENV_URL={env_url}",
-              f'ACTOR_ID={pool.name}-${{SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}_${{SLURM_ARRAY_TASK_ID:-0}}',
-              f"exec {_q(py)} actor {_q(common)} {_q(pool.overrides)} actor.pool={pool.name} "
-              '"actor.learner_host=$LEARNER_HOST" "actor.learner_port=$LEARNER_PORT" "actor.env_url=$ENV_URL" '
-              '"actor.actor_id=$ACTOR_ID"']
+              f'ACTOR_ID={pool.name}-${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-0}}}}_${{SLURM_ARRAY_TASK_ID:-0}}',
+              *_until_done(f"{_q(py)} actor {_q(common)} {_q(pool.overrides)} actor.pool={pool.name} "
+                           '"actor.learner_host=$LEARNER_HOST" "actor.learner_port=$LEARNER_PORT" "actor.env_url=$ENV_URL" '
+                           '"actor.actor_id=$ACTOR_ID"', shlex.quote(f"{run}/learner.done"))]
     return "\n".join(lines) + "\n"
 
 

@@ -146,21 +146,61 @@ def test_envhub_job_ends_once_the_learner_job_has_finished(tmp_path):
     assert r.returncode == 1 and (tmp_path / "run/learner.done").exists()  # the learner's status, and the marker
     (tmp_path / "run/learner.done").unlink()
 
-    fake = tmp_path / "fakepy"
-    fake.write_text("#!/bin/bash\nexec sleep 300\n")
+    fake = tmp_path / "fakepy"  # exits 0 on SIGTERM, as envhub does
+    fake.write_text(f"#!/bin/bash\ntrap 'exit 0' TERM\ntouch {tmp_path}/started\nwhile true; do sleep 0.1; done\n")
     fake.chmod(0o755)
     envhub = slurm.render(conf.load([*overrides, f"slurm.python={fake}"]), overrides).files["envhub.sbatch"]
     p = tmp_path / "e.sh"
     p.write_text(envhub)
     proc = subprocess.Popen(["bash", str(p)], env={"PATH": "/usr/bin:/bin"})
     try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "run/envhub.url").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert proc.poll() is None
+        _wait_for(tmp_path / "started", proc)
         (tmp_path / "run/learner.done").touch()
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_actor_job_stops_its_actor_when_the_learner_job_has_finished_and_forwards_sigterm(tmp_path):
+    """A cancelled learner does not tell actors the run is over (it may be resumed): the
+    actor job SIGTERMs its actor once ``learner.done`` appears; a SIGTERM to the job (scancel)
+    reaches the actor too.  The stand-in actor exits 0 on SIGTERM, as the real one does."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(f"#!/bin/bash\ntrap 'echo got-term; exit 0' TERM\ntouch {tmp_path}/started\n"
+                    "while true; do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", f"slurm.python={fake}", f"slurm.workdir={tmp_path}", "slurm.wait_s=5"]
+    script = slurm.render(conf.load(overrides), overrides).files["actors-cpu.sbatch"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/learner.addr").write_text("10.1.2.3 5555\n")
+    (tmp_path / "run/envhub.url").write_text("http://10.1.2.4:36001\n")
+    p = tmp_path / "a.sh"
+    p.write_text(script)
+    for how in ("done", "sigterm"):
+        (tmp_path / "run/learner.done").unlink(missing_ok=True)
+        (tmp_path / "started").unlink(missing_ok=True)
+        proc = subprocess.Popen(["bash", str(p)], env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True)
+        try:
+            _wait_for(tmp_path / "started", proc)
+            if how == "done":
+                (tmp_path / "run/learner.done").touch()
+            else:
+                proc.send_signal(15)
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0 and "got-term" in out, (how, proc.returncode, out)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _wait_for(marker: Path, proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Until the stand-in process has started (it touches ``marker``), the script still running."""
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        assert proc.poll() is None, "the script ended before its process started"
+        assert time.monotonic() < deadline, f"{marker.name} not written within {timeout_s:.0f}s"
+        time.sleep(0.05)
+    assert proc.poll() is None
