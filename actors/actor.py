@@ -493,7 +493,7 @@ class Actor:
                 url = self.cfg.env_url or ep.url
                 self.pools[ep.name] = EnvPool(self.deps.make_env_client(url, ep.flavor))
         self.target = welcome.policy
-        self._set_sources(welcome.weight_sources, welcome.weight_source_keys)
+        self._set_sources(welcome.weight_sources, welcome.weight_source_keys, welcome.relay_clients)
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
@@ -639,7 +639,7 @@ class Actor:
                 ack = await self._request(req, hb, HeartbeatAck)
             except LearnerStopped:
                 return  # the lease loop ends the session (goodbye)
-            self._set_sources(ack.weight_sources, ack.weight_source_keys)
+            self._set_sources(ack.weight_sources, ack.weight_source_keys, ack.relay_clients)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)
                 if scope is not None:
@@ -739,15 +739,19 @@ class Actor:
         log.info("applied weights version %d in %.2fs", policy.version, time.monotonic() - t0)
         self._poke()
 
-    def _set_sources(self, endpoints: list[str], keys: list[str]) -> None:
+    def _set_sources(self, endpoints: list[str], keys: list[str], clients: list[str]) -> None:
+        """The relays to pull from (with their CURVE keys), and who may pull from ours."""
         self.sources = list(endpoints)
         self.source_keys = {ep: k for ep, k in zip(endpoints, keys) if k}
+        if self.deps.relay is not None:
+            self.deps.relay.allow_clients(clients)
 
     def _relay_sock(self, endpoint: str) -> AsyncSocket:
         """This session's DEALER to another actor's relay (made on first use).  A relay that
         serves CURVE (its key came with the sources, from the authenticated learner) is
         reached with CURVE: with this actor's own key pair when it has one, else a throwaway
-        pair (a relay authenticates no client: it only serves what any actor may pull)."""
+        pair (which a CURVE relay refuses: it admits only the keys the learner lists, so that
+        actor falls back to its next source)."""
         assert self._ctx is not None
         key = self.source_keys.get(endpoint, "")
         s = self._relay_socks.get((endpoint, key))

@@ -43,9 +43,10 @@ import numpy as np
 import zmq
 
 from protocol import codec
-from protocol.errors import ProtocolError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.transport import CurveKeys, SocketLimits, configure, split_router_frames
+from protocol.curve import AllowedKeys, ZapAuthenticator
+from protocol.router import read_request, serve_router
+from protocol.transport import CurveKeys, SocketLimits, configure
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,17 @@ class RelayServer:
 
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(),
                  curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False, hold_s: float = 0.5) -> None:
-        self._ctx = context or zmq.Context.instance()
+        self._own_ctx: zmq.Context | None = None
+        self._auth: ZapAuthenticator | None = None
+        self.clients: AllowedKeys | None = None
+        """With CURVE: the client keys admitted (ZAP), set by ``allow_clients``; none until then."""
+        if curve is not None:
+            # ZAP is per context: the relay's own, so no other socket of the actor is affected
+            self._ctx = self._own_ctx = zmq.Context()
+            self.clients = AllowedKeys(log, "weight relay")
+            self._auth = ZapAuthenticator(self._ctx, provider=self.clients)
+        else:
+            self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._held: dict[Hashable, _Held] = {}
         self.hold_s = hold_s
@@ -120,6 +131,12 @@ class RelayServer:
             except zmq.ZMQError:
                 pass  # a wake-up is already queued (or we are closing): the thread will look anyway
 
+    def allow_clients(self, keys: list[str]) -> None:
+        """The CURVE public keys allowed to pull (the learner's ``relay_clients``); every
+        other CURVE client fails the handshake.  No effect on a plain relay."""
+        if self.clients is not None:
+            self.clients.set(keys)
+
     def withdraw(self, key: Hashable) -> None:
         with self._lock:
             self._held.pop(key, None)
@@ -136,6 +153,10 @@ class RelayServer:
         for sock in (self._sock, self._wake_rx, self._wake_tx):
             if not sock.closed:
                 sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_ctx is not None:
+            self._own_ctx.term()
 
     def __enter__(self) -> "RelayServer":
         return self
@@ -145,38 +166,18 @@ class RelayServer:
 
     # ------------------------------------------------------------------ serving thread
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                timeout = self._poll_ms
-                if self._pending:
-                    timeout = max(0, min(timeout, int((min(d for d, _, _ in self._pending) - time.monotonic()) * 1000) + 1))
-                ready = dict(poller.poll(timeout))
-                if self._wake_rx in ready:
-                    while True:
-                        try:
-                            self._wake_rx.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                if self._pending:
-                    self._retry_pending()
-                if self._sock in ready:
-                    while True:
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._answer(frames)
-            except zmq.ZMQError as exc:
-                if self._stop.is_set() or exc.errno == zmq.ETERM:
-                    return
-                log.exception("relay ROUTER error; continuing")
-            except Exception:
-                log.exception("relay ROUTER: unexpected error answering a request")
+        serve_router(self._sock, self._stop, self._answer, poll_ms=self._poll_ms, log=log, name="relay", wake=self._wake_rx,
+                     tick=self._retry_pending, timeout_ms=self._next_deadline_ms)
+
+    def _next_deadline_ms(self) -> int | None:
+        """Milliseconds to the nearest held request's deadline (None: none held)."""
+        if not self._pending:
+            return None
+        return int((min(d for d, _, _ in self._pending) - time.monotonic()) * 1000) + 1
 
     def _retry_pending(self) -> None:
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         now = time.monotonic()
         for deadline, prefix, req in pending:
@@ -185,15 +186,10 @@ class RelayServer:
             self._wanted = bool(self._pending)
 
     def _answer(self, frames: list) -> None:
-        try:
-            prefix, body = split_router_frames(frames)
-            req = codec.decode(body, expect=WeightChunkRequest)
-        except ProtocolError as exc:
-            if len(frames) >= 2:
-                self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *codec.encode(
-                    ErrorReply(code="bad_message", message=f"expected a WeightChunkRequest: {exc}"))])
-            return
-        self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s)
+        got = read_request(self._sock, frames, WeightChunkRequest)
+        if got is not None:
+            prefix, req = got
+            self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s)
 
     def _reply(self, prefix: list, req: WeightChunkRequest, *, hold: bool, deadline: float) -> None:
         """Send the chunk if held and verified; else hold the request (until ``deadline``),

@@ -69,36 +69,37 @@ def curve_on(enabled: str, host: str) -> bool:
     return enabled == "true"
 
 
-def _secret(path: str, key: str) -> tuple[bytes, bytes]:
+def _load(path: str, key: str, what: str, loader):
+    """``loader(path)``, or a ``CurveConfigError`` naming the config ``key`` (unset, unreadable
+    or malformed file)."""
     if not path:
-        raise CurveConfigError(f"config key '{key}': CURVE is on but no secret certificate is set; {KEYS_HINT}")
+        raise CurveConfigError(f"config key '{key}': CURVE is on but {what} is not set; {KEYS_HINT}")
     try:
-        return load_secret(path)
+        return loader(path)
     except (OSError, ValueError) as exc:
         raise CurveConfigError(f"config key '{key}': cannot use {path!r} ({exc}); {KEYS_HINT}") from None
 
 
-def _insecure(role: str, key: str, host: str) -> None:
-    log.warning("INSECURE: %s CURVE is off (%s=false) on the non-loopback address %s: anyone who can reach it "
-                "can connect, read and send unauthenticated, unencrypted messages", role, key, host)
+def _wanted(role: str, enabled: str, host: str, warn: bool) -> bool:
+    """Whether ``role`` runs CURVE towards/on ``host``; ``warn``: log the insecure choice
+    (``enabled=false`` off loopback)."""
+    if curve_on(enabled, host):
+        return True
+    if warn and not is_loopback(host):
+        log.warning("INSECURE: %s CURVE is off (%s.curve.enabled=false) on the non-loopback address %s: anyone who can "
+                    "reach it can connect, read and send unauthenticated, unencrypted messages", role, role, host)
+    return False
 
 
 def learner_curve(lc: LearnerConfig, *, warn: bool = True) -> CurveSetup | None:
     """The learner's CURVE setup, or None when off (see the module docstring); ``warn``:
     log the insecure choice (``enabled=false`` off loopback)."""
     c = lc.curve
-    if not curve_on(c.enabled, lc.host):
-        if warn and not is_loopback(lc.host):
-            _insecure("learner", "learner.curve.enabled", lc.host)
+    if not _wanted("learner", c.enabled, lc.host, warn):
         return None
-    public, secret = _secret(c.secret_key, "learner.curve.secret_key")
-    if not c.authorized:
-        raise CurveConfigError("config key 'learner.curve.authorized': CURVE is on but no folder of authorized actor "
-                               f"keys is set (every actor must be listed); {KEYS_HINT}")
-    try:
-        keys = load_authorized(c.authorized)
-    except (OSError, ValueError) as exc:
-        raise CurveConfigError(f"config key 'learner.curve.authorized': cannot use {c.authorized!r} ({exc}); {KEYS_HINT}") from None
+    public, secret = _load(c.secret_key, "learner.curve.secret_key", "the secret certificate", load_secret)
+    keys = _load(c.authorized, "learner.curve.authorized", "the folder of authorized actor keys (every actor must be listed)",
+                 load_authorized)
     if not keys:
         log.warning("learner.curve.authorized (%s) holds no *.key file yet: every actor is refused until one is added",
                     c.authorized)
@@ -108,17 +109,9 @@ def learner_curve(lc: LearnerConfig, *, warn: bool = True) -> CurveSetup | None:
 def actor_curve(ac: ActorConfig, *, warn: bool = True) -> CurveSetup | None:
     """The actor's CURVE setup, or None when off (see the module docstring)."""
     c = ac.curve
-    if not curve_on(c.enabled, ac.learner_host):
-        if warn and not is_loopback(ac.learner_host):
-            _insecure("actor", "actor.curve.enabled", ac.learner_host)
+    if not _wanted("actor", c.enabled, ac.learner_host, warn):
         return None
-    public, secret = _secret(c.secret_key, "actor.curve.secret_key")
-    if not c.server_key:
-        raise CurveConfigError("config key 'actor.curve.server_key': CURVE is on but the learner's public certificate "
-                               f"is not set; {KEYS_HINT}")
-    try:
-        server_public, _ = load_cert(c.server_key)
-    except (OSError, ValueError) as exc:
-        raise CurveConfigError(f"config key 'actor.curve.server_key': cannot use {c.server_key!r} ({exc}); {KEYS_HINT}") from None
+    public, secret = _load(c.secret_key, "actor.curve.secret_key", "the secret certificate", load_secret)
+    server_public, _ = _load(c.server_key, "actor.curve.server_key", "the learner's public certificate", load_cert)
     return CurveSetup(public=public, secret=secret, server_public=server_public, secret_path=c.secret_key,
                       server_key_path=c.server_key)

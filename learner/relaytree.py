@@ -12,7 +12,9 @@ An actor's sources are its ancestors, nearest first, at most ``hops`` of them; t
 learner is always the last resort (``Welcome.weights_endpoint``) and is not listed.  The
 tree is a pure function of the current registration order: an actor that leaves (or is
 dropped) shifts the later ones, who learn their new sources from the next
-``HeartbeatAck``; until then a pull from a dead parent falls back to the next source.
+``HeartbeatAck``; until then a pull from a dead parent falls back to the next source.  The service offers only
+relays heard from within 2.5 heartbeat intervals (``SUSPECT_HEARTBEATS``), so a dead relay
+costs its children at most a couple of relay timeouts, not one per version until it is forgotten.
 Actors that join are appended, so no existing actor's sources change on a join.
 """
 

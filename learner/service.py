@@ -80,6 +80,7 @@ from conf.schema import Config
 from learner import relaytree
 from learner.leases import LeaseManager, Ready
 from learner.runstate import RunState
+from learner.signal import SignalWatch
 from learner.registry import ActorRegistry, short
 from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
 from learner.tasks import TaskStream, parse_task_spec
@@ -111,6 +112,10 @@ from protocol.messages import (
 from protocol.transport import AsyncSocket, CurveKeys, SocketLimits, configure, split_router_frames, tcp_endpoint
 
 log = logging.getLogger("turnscale.learner")
+
+
+SUSPECT_HEARTBEATS = 2.5
+"""A relay silent for this many heartbeat intervals is left out of other actors' sources."""
 
 
 class TrainerLike(Protocol):
@@ -193,6 +198,7 @@ class LearnerService:
         self.actors = ActorRegistry(max_actors=lc.max_actors, silent_s=3 * lc.heartbeat_interval_s)
         """Registered actors, each bound to its connection (``learner.registry``)."""
         self.metrics = StepMetrics()
+        self.signal = SignalWatch()  # warns when almost every group has equal rewards (no RL signal)
         self.stopping = False
         self.done = False
         self._have_groups = trio.Event()
@@ -208,7 +214,7 @@ class LearnerService:
         """Set once sockets are bound and version 0 (or the resumed version) is published."""
         self.lease_limit = lc.max_leases_per_actor
         """Leases one actor may hold; a controller may lower it (``ControlRequest``)."""
-        self.signals = Signals()
+        self.scaling_signals = ScalingSignals()
         """Cumulative scaling signals (``LearnerStatus``)."""
 
     # ------------------------------------------------------------------ state (read from self.run)
@@ -365,16 +371,16 @@ class LearnerService:
                 self._ledger(r, "stale", self.step + 1)
                 log.info("group %s (sampled at v%d) dropped as stale at v%d; task %s re-issued", r.lease.lease_id,
                          r.oldest, self.version, r.lease.task.data_idx)
-            self.signals.groups_stale += len(stale)
+            self.scaling_signals.groups_stale += len(stale)
             if batch:
                 return batch
             self._have_groups = trio.Event()
-            self.signals.waiting_since = t0 = trio.current_time()
+            self.scaling_signals.waiting_since = t0 = trio.current_time()
             try:
                 await self._have_groups.wait()
             finally:
-                self.signals.waiting_since = None
-                self.signals.idle_s += trio.current_time() - t0
+                self.scaling_signals.waiting_since = None
+                self.scaling_signals.idle_s += trio.current_time() - t0
 
     def _ledger(self, r: Ready, outcome: str, step: int) -> None:
         """One line per group that left the ready buffer for optimizer step ``step`` (1-based):
@@ -416,10 +422,14 @@ class LearnerService:
         for r in ready:
             self._ledger(r, "trained", self.step)
             record_trained(m, r.group, self.version - r.oldest)
-            self.signals.groups_trained += 1
-            self.signals.staleness_sum += max(0, self.version - r.oldest)
+            self.scaling_signals.groups_trained += 1
+            self.scaling_signals.staleness_sum += max(0, self.version - r.oldest)
             a = self.actors.actors.get(r.group.actor_id)
             m.add(f"pool/{a.pool if a is not None else 'departed'}/staleness_mean", self.version - r.oldest, "mean")
+            warning = self.signal.observe([ep.reward for ep in r.group.episodes], [ep.success for ep in r.group.episodes])
+            if warning:
+                log.warning("%s", warning)
+        m.add("rollout/equal_reward_frac", self.signal.fraction, "last")
         m.add("perf/step_time_s", t1 - t0, "last")
         m.add("perf/tokens_trained", tokens, "sum")
         m.add("perf/tokens_trained_per_s", tokens / max(t1 - t0, 1e-9), "last")
@@ -530,7 +540,8 @@ class LearnerService:
                 return self._drained(a)
             sources = self.weight_sources(msg.actor_id)
             return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now),
-                                weight_sources=sources, weight_source_keys=self.relay_keys(sources))
+                                weight_sources=sources, weight_source_keys=self.relay_keys(sources),
+                                relay_clients=self.relay_clients(msg.actor_id))
         if isinstance(msg, Goodbye):
             if self.actors.bound(msg.actor_id, identity) is None:
                 return _not_registered()
@@ -578,6 +589,7 @@ class LearnerService:
             weights_endpoint=tcp_endpoint(lc.host, lc.weights_port),
             heartbeat_interval_s=lc.heartbeat_interval_s, policy=self.announcement(),
             weight_sources=(sources := self.weight_sources(msg.actor_id)), weight_source_keys=self.relay_keys(sources),
+            relay_clients=self.relay_clients(msg.actor_id),
         )
 
     def weight_sources(self, actor_id: str) -> list[str]:
@@ -586,11 +598,25 @@ class LearnerService:
         rc = self.cfg.learner.relay
         if not rc.enabled:
             return []
-        ids = [a.actor_id for a in self.actors.values() if a.relay_endpoint]
+        # A relay that missed heartbeats is not offered (a pull from it would cost a timeout
+        # per version) long before the actor is forgotten (lease_ttl_s); it is again once heard.
+        quiet = SUSPECT_HEARTBEATS * self.cfg.learner.heartbeat_interval_s
+        now = trio.current_time()
+        ids = [a.actor_id for a in self.actors.values()
+               if a.relay_endpoint and (a.actor_id == actor_id or now - a.last_seen <= quiet)]
         if actor_id not in ids:
             return []
         eps = [self.actors.actors[a].relay_endpoint for a in ids]
         return relaytree.sources(eps, ids.index(actor_id), rc.fanout, rc.fallback_hops)
+
+    def relay_clients(self, actor_id: str) -> list[str]:
+        """Who may pull from ``actor_id``'s CURVE relay: the public keys of the other registered
+        actors that serve a CURVE relay (and so pull with that key pair; the learner admitted
+        each of them through ZAP).  Empty when relays are off or its relay is plain."""
+        me = self.actors.actors.get(actor_id)
+        if not self.cfg.learner.relay.enabled or me is None or not me.relay_public_key:
+            return []
+        return sorted({a.relay_public_key for a in self.actors.values() if a.relay_public_key and a.actor_id != actor_id})
 
     def relay_keys(self, endpoints: list[str]) -> list[str]:
         """The CURVE public key of each relay endpoint ("" for a plain relay), in order."""
@@ -625,8 +651,8 @@ class LearnerService:
         lease_s = now - live.issued_at if live is not None else -1.0
         r = self.leases.intake(group, now)
         record_intake(self.metrics, r.accepted, r.reason)
-        self.signals.groups_received += 1
-        self.signals.groups_stale += int(r.reason == "stale")
+        self.scaling_signals.groups_received += 1
+        self.scaling_signals.groups_stale += int(r.reason == "stale")
         if r.accepted:  # buffer first: from here on the group is owned by the learner
             self.buffer.append(self.leases.ready(group, r))
             if len(self.buffer) >= self.cfg.learner.groups_per_step:
@@ -667,7 +693,7 @@ class LearnerService:
         return Shutdown(reason="drained")
 
     def _status(self) -> LearnerStatus:
-        s = self.signals
+        s = self.scaling_signals
         actors = [ActorStatus(actor_id=a.actor_id, pool=a.pool, host=a.host, leases=self.leases.held_by(a.actor_id),
                               draining=a.draining, tokens_generated=float(a.stats.get("tokens_generated", 0.0)))
                   for a in self.actors.values()]
@@ -680,7 +706,7 @@ class LearnerService:
 
 
 @dataclass
-class Signals:
+class ScalingSignals:
     """Cumulative counters behind ``LearnerStatus`` (the scaling signals)."""
 
     started: float = field(default_factory=time.monotonic)

@@ -36,9 +36,9 @@ import zmq
 
 from protocol import checksums, codec
 from protocol.dtypes import torch_dtype
-from protocol.errors import ProtocolError
 from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.transport import CurveKeys, SocketLimits, configure, split_router_frames
+from protocol.router import read_request, serve_router
+from protocol.transport import CurveKeys, SocketLimits, configure
 from protocol.weights import build_manifest, layout, write_tensors
 
 log = logging.getLogger(__name__)
@@ -154,35 +154,14 @@ class WeightPublisher:
     # ------------------------------------------------------------------ serving thread
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                if not poller.poll(self._poll_ms):
-                    continue
-                while True:
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._answer(frames)
-            except zmq.ZMQError as exc:
-                if self._stop.is_set() or exc.errno == zmq.ETERM:
-                    return
-                log.exception("weights ROUTER error; continuing")
-            except Exception:  # never let the server thread die on one bad request
-                log.exception("weights ROUTER: unexpected error answering a request")
+        serve_router(self._sock, self._stop, self._answer, poll_ms=self._poll_ms, log=log, name="weights")
 
     def _answer(self, frames: list) -> None:
-        try:
-            prefix, body = split_router_frames(frames)
-            req = codec.decode(body, expect=WeightChunkRequest)
-        except ProtocolError as exc:
+        got = read_request(self._sock, frames, WeightChunkRequest)
+        if got is None:
             self.bad_requests += 1
-            if len(frames) >= 2:
-                self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *codec.encode(
-                    ErrorReply(code="bad_message", message=f"expected a WeightChunkRequest: {exc}"))])
             return
+        prefix, req = got
         with self._lock:  # held through the send: a buffer is never retired mid-send
             ver = self._versions.get(req.version)
             if ver is None:

@@ -183,14 +183,53 @@ class _KeyFolder:
             return False
 
 
-class ZapAuthenticator:
-    """Accept CURVE clients of ``context``'s server sockets whose key is in ``folder``."""
+class AllowedKeys:
+    """ZAP credentials provider: a client key is allowed when it is in the set its owner last
+    handed to ``set`` (z85 strings; malformed ones are ignored).  An actor's relay uses it with
+    the keys the learner lists (``Welcome``/``HeartbeatAck.relay_clients``)."""
 
-    def __init__(self, context: zmq.Context, folder: str, log: logging.Logger | None = None,
-                 what: str = "learner's sockets") -> None:
+    log_every_s = 60.0
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self.log, self.what = log, what
+        self.keys: frozenset[bytes] = frozenset()
+        self.refused = 0
+        self._logged: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+
+    def set(self, keys: list[str]) -> None:
+        good = frozenset(k.encode() for k in keys if isinstance(k, str) and len(k) == 40)
+        with self._lock:
+            self.keys = good
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        with self._lock:
+            if key in self.keys:
+                return True
+            self.refused += 1
+            now = time.monotonic()
+            last = self._logged.get(key)
+            if last is None or now - last >= self.log_every_s:
+                if len(self._logged) > 1000:
+                    self._logged.clear()
+                self._logged[key] = now
+                self.log.warning("refused a CURVE client with public key %s on the %s: the learner does not list it "
+                                 "(%d refusal(s) so far; this key is logged at most once a minute)",
+                                 key.decode(errors="replace"), self.what, self.refused)
+            return False
+
+
+class ZapAuthenticator:
+    """Accept CURVE clients of ``context``'s server sockets whose key is in ``folder`` (or that
+    ``provider`` accepts: an ``AllowedKeys``)."""
+
+    def __init__(self, context: zmq.Context, folder: str = "", log: logging.Logger | None = None,
+                 what: str = "learner's sockets", provider: "AllowedKeys | None" = None) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 
-        self.provider = _KeyFolder(folder, log or logging.getLogger("turnscale.curve"), what)
+        if provider is None and not folder:
+            raise ValueError("ZapAuthenticator needs a folder of authorized keys or a provider")
+        self.provider = provider or _KeyFolder(folder, log or logging.getLogger("turnscale.curve"), what)
         self._auth = ThreadAuthenticator(context)
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self.provider)

@@ -44,12 +44,13 @@ import numpy as np
 from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Bumped on every incompatible change; a message with another version is rejected.
 (3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
 read them; a lease carries its turn limit and version.  4: weight fan-out through actor
 relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.weight_sources``.
-5: actor pools and elastic scaling: ``Hello.pool``, ``ControlRequest``, ``LearnerStatus``.)"""
+5: relays authenticate their clients: ``Welcome``/``HeartbeatAck.relay_clients``.
+6: actor pools and elastic scaling: ``Hello.pool``, ``ControlRequest``, ``LearnerStatus``.)"""
 
 FINISH_REASONS = frozenset(
     {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
@@ -332,6 +333,10 @@ class Welcome:
     ``weights_endpoint``, nearest first; empty: pull from the learner only."""
     weight_source_keys: list[str] = field(default_factory=list)
     """The CURVE public key of each of ``weight_sources`` (same order; "" for a plain relay)."""
+    relay_clients: list[str] = field(default_factory=list)
+    """CURVE public keys of the actors allowed to pull from this actor's relay (the other
+    registered actors with a CURVE relay; the learner authenticated them all).  The relay
+    refuses every other CURVE client.  Empty when this actor serves no CURVE relay."""
 
 
 @record
@@ -516,6 +521,8 @@ class HeartbeatAck:
     """The actor's current relays (as ``Welcome.weight_sources``; they change when actors leave)."""
     weight_source_keys: list[str] = field(default_factory=list)
     """As ``Welcome.weight_source_keys``."""
+    relay_clients: list[str] = field(default_factory=list)
+    """As ``Welcome.relay_clients`` (they change as actors join and leave)."""
 
 
 @record

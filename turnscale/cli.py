@@ -15,6 +15,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "actor": ("actors.main", "one actor process: inference engine + episodes, pointed at a learner"),
     "run": ("turnscale.launch", "everything on one machine: envhub, learner, actors (embedded defaults)"),
     "eval": ("turnscale.evaluate", "success / Avg@k / Pass@k of a checkpoint on an env split"),
+    "experiment": ("turnscale.experiment", "ScalingInter-RL vs fixed turn limits: same budget, seeds, error bars"),
     "bench": ("benchmarks.main", "throughput benchmarks, as ratios against in-run baselines"),
     "view": ("turnscale.viewer", "browse trajectories of a run directory in a local web app"),
     "slurm": ("turnscale.slurm", "sbatch scripts for a Slurm cluster (learner, envhub, one actor array per pool); --dry-run prints them"),
@@ -24,7 +25,7 @@ ROLES: dict[str, tuple[str, str]] = {
 
 def usage() -> str:
     lines = ["usage: turnscale <role> [hydra overrides | flags]", "", "roles:"]
-    lines += [f"  {name:<8} {desc}" for name, (_, desc) in ROLES.items()]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in ROLES.items()]
     lines += ["", "Overrides are Hydra's: turnscale learner env=textcraft algo=ppo learner.steps=300"]
     return "\n".join(lines)
 

@@ -222,17 +222,23 @@ class Launcher:
         return url
 
     def evaluate(self, name: str, model_dir: str, tasks_file: str, env_url: str) -> dict:
+        """Held-out success of one model within ``run.eval_turns``."""
+        return self.evaluate_turns(name, model_dir, tasks_file, env_url, [self.cfg.run.eval_turns])[self.cfg.run.eval_turns]
+
+    def evaluate_turns(self, name: str, model_dir: str, tasks_file: str, env_url: str, turns: Sequence[int]) -> dict[int, dict]:
+        """Held-out success of one model at each turn limit of ``turns`` (one ``turnscale eval``)."""
         rc = self.cfg.run
         out = self.dir / name
         args = ["eval", "--model", f"{model_dir}={name}", "--env", self.cfg.env.name, "--tasks", tasks_file,
-                "--turns", str(rc.eval_turns), "--samples", str(rc.eval_samples), "--out", str(out), "--no-progress",
+                "--turns", ",".join(str(t) for t in turns), "--samples", str(rc.eval_samples), "--out", str(out), "--no-progress",
                 *child_overrides(self.cfg, ["sampling", "engine"], env__url=env_url),
                 *option_overrides("env.options", self.cfg.env.options)]
         self.wait(self.procs.start(name, args, python=self.engine_python()), f"evaluation {name}")
         doc = json.loads((out / "eval.json").read_text())
-        overall = held_out_success(doc)
-        self.say(f"{name}: held-out success {overall['success']:.3f} over {overall['episodes']} episodes")
-        return overall
+        found = {t: held_out_success(doc, t) for t in turns}
+        self.say(f"{name}: held-out success " + ", ".join(f"{v['success']:.3f} within {t} turns" for t, v in found.items())
+                 + f" over {found[turns[0]]['episodes']} episodes")
+        return found
 
     # 5
     def rl(self, init_from: str, files: dict[str, str], env_url: str) -> Path:
@@ -286,10 +292,11 @@ def _read_rows(path: Path) -> list[dict]:
     return read_metrics(path)
 
 
-def held_out_success(doc: dict) -> dict:
+def held_out_success(doc: dict, turn_limit: int | None = None) -> dict:
     """Overall success of one checkpoint from an ``eval.json`` (``turnscale.evalreport``):
-    the row with ``category == ""`` (all sub-tasks of the env)."""
-    rows = [r for r in doc.get("rows", []) if r.get("category") == "" and r.get("env")]
+    the row with ``category == ""`` (all sub-tasks of the env), at ``turn_limit`` (any when None)."""
+    rows = [r for r in doc.get("rows", []) if r.get("category") == "" and r.get("env")
+            and (turn_limit is None or int(r.get("turn_limit", -1)) == turn_limit)]
     if not rows or rows[0].get("success") is None:
         raise ChildFailed("evaluation wrote no overall row (every episode failed?)")
     r = rows[0]

@@ -599,6 +599,9 @@ class RecordingRelay:
     def withdraw(self, key):
         self.events.append(("withdraw", key))
 
+    def allow_clients(self, keys):
+        self.events.append(("allow", tuple(keys)))
+
     def close(self):
         self.events.append(("close",))
 
@@ -639,4 +642,6 @@ def test_actor_registers_its_relay_buffer_before_each_pull_and_asks_the_learners
     assert seen and all(eps == ["tcp://10.9.9.1:7000"] for _, eps in seen)
     begins = [e for e in events if e[0] == "begin"]
     assert [v for _, _, v in begins] == [v for v, _ in seen]  # every pull registered first
+    assert ("allow", ()) in events  # the Welcome's relay_clients reach the relay (none: plain relays here)
+    events[:] = [e for e in events if e[0] != "allow"]
     assert ("close",) == events[-1] and actor.stats.weight_chunks_from_learner == len(seen)

@@ -378,9 +378,9 @@ def test_frames_given_as_typed_memoryviews_are_counted_in_bytes():
     assert np.array_equal(got.data, f32.view(np.uint8)) and np.shares_memory(got.data, f32)
 
 
-def test_a_hello_from_schema_4_is_rejected_naming_both_versions():
-    """Schema 5 added ``Hello.pool``: an actor of the previous release is refused with a
+def test_a_hello_from_schema_5_is_rejected_naming_both_versions():
+    """Schema 6 added ``Hello.pool``: an actor of the previous release is refused with a
     ``ProtocolError`` telling which side to upgrade, not half-understood."""
-    body = {"actor_id": "a", "host": "h", "pid": 1, "engine": "hf", "device": "cpu", "max_groups": 1, "schema_version": 4}
-    with pytest.raises(ProtocolError, match=r"schema version 4 != 5; upgrade the older side"):
-        codec.decode([env("Hello", body, v=4)])
+    body = {"actor_id": "a", "host": "h", "pid": 1, "engine": "hf", "device": "cpu", "max_groups": 1, "schema_version": 5}
+    with pytest.raises(ProtocolError, match=r"schema version 5 != 6; upgrade the older side"):
+        codec.decode([env("Hello", body, v=5)])

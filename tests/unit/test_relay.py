@@ -179,36 +179,46 @@ def test_a_relay_that_never_gets_the_version_hands_over_after_its_patience(publi
     assert stream_ok(b, m) and rep.from_learner == len(m.chunks) and rep.dead_relays == []
 
 
-def test_a_curve_relay_serves_curve_clients_and_a_plain_client_falls_back_to_the_learner(publisher):
+def test_a_curve_relay_serves_listed_curve_clients_and_strangers_and_plain_clients_fall_back(publisher):
     """Off loopback the relay serves CURVE with its actor's key pair (``Hello.relay_public_key``
-    -> ``weight_source_keys``): a client holding that key pulls from it; a plain client's
-    handshake fails, so it gets nothing from the relay and takes every chunk from the learner."""
+    -> ``weight_source_keys``) and admits only the client keys the learner lists
+    (``relay_clients`` -> ``allow_clients``): a listed client pulls from it; a CURVE client with
+    an unlisted key pair (it knows the relay's public key: public keys are no secret) and a
+    plain client fail the handshake, get nothing from the relay and take every chunk from the
+    learner."""
     from protocol.transport import CurveKeys, generate_curve_keys
 
     m = publisher.publish(1, state_dict())
-    server, client = generate_curve_keys(), generate_curve_keys()
-    a, b, c = ReceiveBuffer(), ReceiveBuffer(), ReceiveBuffer()
-    rep_curve, rep_plain = PullReport(), PullReport()
+    server, client, stranger = generate_curve_keys(), generate_curve_keys(), generate_curve_keys()
+    a, b, c, d = ReceiveBuffer(), ReceiveBuffer(), ReceiveBuffer(), ReceiveBuffer()
+    rep_curve, rep_plain, rep_stranger = PullReport(), PullReport(), PullReport()
     with RelayServer("tcp://127.0.0.1:0", curve=server) as relay:
         assert relay.public_key == server.public.decode()
+        relay.allow_clients([client.public.decode(), "not a key"])
+
+        def curve_dealer(keys):
+            s = AsyncSocket(configure(zmq.Context.instance().socket(zmq.DEALER),
+                                      curve=CurveKeys(public=keys.public, secret=keys.secret,
+                                                      server_public=relay.public_key.encode())))
+            s.sock.connect(relay.endpoint)
+            return s
 
         async def main():
             await pull_into(publisher.endpoint, m, a, relay=relay)  # the relay holds v1
             learner = dealer(publisher.endpoint)
-            secure = AsyncSocket(configure(zmq.Context.instance().socket(zmq.DEALER),
-                                           curve=CurveKeys(public=client.public, secret=client.secret,
-                                                           server_public=relay.public_key.encode())))
-            secure.sock.connect(relay.endpoint)
-            plain = dealer(relay.endpoint)
+            secure, unlisted, plain = curve_dealer(client), curve_dealer(stranger), dealer(relay.endpoint)
             try:
-                with trio.fail_after(30):
+                with trio.fail_after(60):
                     await pull_weights(learner, m, timeout_s=5, window=4, buffer=b, relays=[secure], report=rep_curve)
                     await pull_weights(learner, m, timeout_s=1, window=4, buffer=c, relays=[plain], report=rep_plain)
+                    await pull_weights(learner, m, timeout_s=1, window=4, buffer=d, relays=[unlisted], report=rep_stranger)
             finally:
-                for s in (learner, secure, plain):
+                for s in (learner, secure, unlisted, plain):
                     s.close()
 
         trio.run(main)
-    assert stream_ok(b, m) and stream_ok(c, m)
+        assert relay.clients.refused >= 1  # the stranger's handshake
+    assert stream_ok(b, m) and stream_ok(c, m) and stream_ok(d, m)
     assert rep_curve.from_relays == len(m.chunks) and rep_curve.from_learner == 0
     assert rep_plain.from_relays == 0 and rep_plain.from_learner == len(m.chunks)
+    assert rep_stranger.from_relays == 0 and rep_stranger.from_learner == len(m.chunks)

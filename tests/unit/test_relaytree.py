@@ -91,3 +91,47 @@ def test_a_bad_relay_endpoint_is_refused():
         assert svc.handle(bad, identity=b"x").code == "bad_message"
 
     trio.run(main)
+
+
+def test_a_relay_that_missed_heartbeats_is_not_offered_until_heard_again():
+    """A dead relay would cost every child a relay timeout per version until the learner forgets
+    the actor (lease_ttl_s, a minute by default); after 2.5 silent heartbeat intervals it is
+    left out of the sources, and is offered again once it heartbeats."""
+    svc = service(**{"learner.relay.fanout": 1, "learner.relay.fallback_hops": 2,
+                     "learner.heartbeat_interval_s": 1.0, "learner.lease_ttl_s": 60.0})
+
+    async def main():
+        for name in "abc":
+            assert isinstance(svc.handle(hello(name), identity=name.encode()), Welcome)
+        beat = lambda n: svc.handle(Heartbeat(actor_id=n, lease_ids=[], policy_version=0), identity=n.encode())  # noqa: E731
+        assert beat("c").weight_sources == ["tcp://b:7000", "tcp://a:7000"]
+        svc.actors.actors["b"].last_seen -= 3.0  # b missed three heartbeats: not forgotten (60 s), but suspect
+        assert beat("c").weight_sources == ["tcp://a:7000"]
+        assert "b" in svc.actors.actors
+        assert beat("b").weight_sources == ["tcp://a:7000"]  # b itself still gets its sources
+        assert beat("c").weight_sources == ["tcp://b:7000", "tcp://a:7000"]
+
+    trio.run(main)
+
+
+def test_each_curve_relay_is_told_which_actor_keys_may_pull_from_it():
+    """``relay_clients``: the other registered actors with a CURVE relay (the learner admitted
+    them); a plain relay and relays-off get none; a leaver drops out at the next heartbeat."""
+    svc = service(**{"learner.relay.fanout": 1})
+    keys = {n: (n * 40)[:40] for n in "abc"}
+
+    def curve_hello(name):
+        return Hello(actor_id=name, host="h", pid=1, engine="sim", device="cpu", max_groups=1, token=name,
+                     relay_endpoint=f"tcp://{name}:7000", relay_public_key=keys[name])
+
+    async def main():
+        w = {n: svc.handle(curve_hello(n), identity=n.encode()) for n in "abc"}
+        assert w["a"].relay_clients == []  # alone when it registered
+        plain = svc.handle(hello("p"), identity=b"p")
+        assert plain.relay_clients == []  # a plain relay authenticates no one
+        beat = lambda n: svc.handle(Heartbeat(actor_id=n, lease_ids=[], policy_version=0), identity=n.encode())  # noqa: E731
+        assert beat("a").relay_clients == [keys["b"], keys["c"]]
+        svc.handle(Goodbye(actor_id="c"), identity=b"c")
+        assert beat("a").relay_clients == [keys["b"]] and beat("b").relay_clients == [keys["a"]]
+
+    trio.run(main)
