@@ -62,15 +62,19 @@ are dropped; the learner re-issues their leases when they expire), then the acto
 re-sends Hello with capped exponential backoff (``reconnect_max_backoff_s``) until the
 learner answers.  Engine and env instances survive across sessions.
 
-Graceful stop (SIGTERM/SIGINT or ``Shutdown``), bounded by ``shutdown_grace_s`` + a few
-seconds:
+Graceful stop (SIGTERM/SIGINT or ``Shutdown``), bounded by ``shutdown_grace_s +
+2 * stop_timeout_s`` whatever else is alive:
 
-1. no new leases are requested;
+1. no new leases are requested; every control request from now on, and every one already
+   waiting for its reply, gets at most ``stop_timeout_s`` (``request_stop`` pulls in the
+   deadlines of those in flight);
 2. running groups finish and are sent; any still running after ``shutdown_grace_s``
-   are cancelled (abandoned);
+   are cancelled (abandoned); a request that times out now means the learner is gone:
+   the session ends at once (no ``Goodbye``; the learner, if it comes back, lets the
+   leases expire);
 3. ``Goodbye`` is sent (the learner releases any remaining leases at once);
-4. the session's tasks are cancelled, env instances closed on the server, the engine
-   closed, sockets closed; ``run`` returns 0.
+4. the session's tasks are cancelled, env instances closed on the server (for at most
+   ``stop_timeout_s``), the engine closed, sockets closed; ``run`` returns 0.
 
 CURVE (``curve``, from ``common.curve.actor_curve``): the three sockets to the learner
 use the actor's key pair and the learner's public key.  A monitor on the control socket
@@ -274,6 +278,8 @@ class Actor:
     """CURVE public key of each of ``sources`` ("" or absent: a plain relay)."""
     _relay_socks: dict[tuple[str, str], AsyncSocket] = field(default_factory=dict)
     """This session's DEALERs to ``sources``, by (endpoint, key) (closed with the session)."""
+    _requests: set[trio.CancelScope] = field(default_factory=set)
+    """Deadlines of the control requests waiting for a reply (``request_stop`` shortens them)."""
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
@@ -301,6 +307,9 @@ class Actor:
             log.info("actor %s stopping: %s", self.actor_id, reason)
         self.stopping = True
         self.stop_reason = self.stop_reason or reason
+        cap = trio.current_time() + self.cfg.stop_timeout_s
+        for scope in self._requests:
+            scope.deadline = min(scope.deadline, cap)
         if abandon:
             for scope in self._running.values():
                 scope.cancel()
@@ -317,9 +326,9 @@ class Actor:
 
     async def _cleanup(self) -> None:
         with trio.CancelScope(shield=True):
-            with trio.move_on_after(5):
+            with trio.move_on_after(self.cfg.stop_timeout_s):  # one bound for every pool
                 for pool in self.pools.values():
-                    await pool.close()
+                    await pool.close(self.cfg.stop_timeout_s)
         if self.runtime is not None:
             self.runtime.engine.close()
         if self.deps.relay is not None:
@@ -454,7 +463,8 @@ class Actor:
         hello = Hello(actor_id=self.actor_id, host=pysocket.gethostname(), pid=os.getpid(), engine=self.engine_name,
                       device=self.device, max_groups=self.cfg.max_groups, token=self._token,
                       relay_endpoint=relay.endpoint if relay is not None else "",
-                      relay_public_key=getattr(relay, "public_key", "") if relay is not None else "")
+                      relay_public_key=getattr(relay, "public_key", "") if relay is not None else "",
+                      pool=self.cfg.pool)
         backoff = 0.2
         while True:
             try:
@@ -489,13 +499,19 @@ class Actor:
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
-        timeout = self.cfg.request_timeout_s
+        timeout = min(self.cfg.request_timeout_s, self.cfg.stop_timeout_s) if self.stopping else self.cfg.request_timeout_s
         try:
-            # the deadline covers the send too: a DEALER whose peer is gone blocks on send
+            # the deadline covers the send too: a DEALER whose peer is gone blocks on send;
+            # a stop pulls it in (``request_stop``), the transport's own timeout stays the outer bound
             with trio.move_on_after(timeout + 0.5) as scope:
-                reply = await req.request(msg, timeout_s=timeout)
+                self._requests.add(scope)
+                try:
+                    reply = await req.request(msg, timeout_s=timeout)
+                finally:
+                    self._requests.discard(scope)
             if scope.cancelled_caught:
-                raise PeerTimeout(f"no reply to {type(msg).__name__} within {timeout:.1f}s")
+                raise PeerTimeout(f"no reply to {type(msg).__name__} in time"
+                                  + (" (stopping)" if self.stopping else f" ({timeout:.1f}s)"))
         except (PeerTimeout, TransportError) as exc:
             raise LearnerLost(str(exc)) from None
         except RemoteError as exc:
@@ -792,7 +808,7 @@ class Actor:
         self.runtime = await self.deps.make_runtime(self.welcome)
 
     async def _goodbye(self, req: Requester) -> None:
-        with trio.move_on_after(min(5.0, self.cfg.request_timeout_s)):
+        with trio.move_on_after(min(self.cfg.stop_timeout_s, self.cfg.request_timeout_s) + 0.5):
             try:
                 await self._request(req, Goodbye(actor_id=self.actor_id, reason=self.stop_reason or "done"), GroupAck)
             except (LearnerLost, RemoteError) as exc:

@@ -7,6 +7,12 @@ on the server only when none is idle); ``release`` returns them.  A session whos
 creates and closes ``batch x n`` instances every training step; here an actor creates at
 most ``max_groups x group_size`` per env over its whole life (plus replacements).
 
+Closing is bounded: ``release`` closes a lease's broken instances concurrently, shielded
+from cancellation, within one ``CLOSE_TIMEOUT_S`` together; ``close(timeout_s)`` closes
+every instance concurrently within ``timeout_s``.  An instance not closed in time is left
+to the server's idle expiry: a stopping actor whose env server is gone must still exit
+within seconds (docs/ARCHITECTURE.md, "Graceful stop").
+
 ``EnvSession`` (``reset(data_idx) -> (observation, info)``, ``step(action) ->
 (observation, reward, done, info)``) is what the episode runner drives.
 """
@@ -18,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 log = logging.getLogger("turnscale.actor")
+
+CLOSE_TIMEOUT_S = 2.0
+"""Bound on closing a released group's broken instances (all at once)."""
 
 
 class EnvClientLike(Protocol):
@@ -111,31 +120,40 @@ class EnvPool:
         return out
 
     async def release(self, sessions: list[PooledSession]) -> None:
+        broken = []
         for s in sessions:
             self.busy.discard(s)
             if s.broken:
                 self.replaced += 1
                 log.info("env instance %s broken (%s); closing it", s.env_id, s.error)
-                await self._close_quietly(s)
+                broken.append(s)
             else:
                 self.idle.append(s)
+        if broken:
+            await self._close_all(broken, CLOSE_TIMEOUT_S, shield=True)
 
-    async def _close_quietly(self, s: PooledSession) -> None:
+    async def _close_all(self, sessions: list[PooledSession], timeout_s: float, *, shield: bool) -> None:
+        """Close ``sessions`` on the server concurrently, for at most ``timeout_s`` in all."""
         import trio
 
-        with trio.move_on_after(2.0) as scope:
-            scope.shield = True
-            try:
-                await self.client.close(s.env_id)
-            except Exception as exc:  # the instance is gone anyway; idle expiry cleans up
-                log.debug("closing env %s failed: %s", s.env_id, exc)
+        with trio.move_on_after(timeout_s) as scope:
+            scope.shield = shield
+            async with trio.open_nursery() as n:
+                for s in sessions:
+                    n.start_soon(self._close_quietly, s)
 
-    async def close(self) -> None:
-        """Close every instance this pool holds (idle and busy)."""
-        for s in [*self.idle, *self.busy]:
-            await self._close_quietly(s)
+    async def _close_quietly(self, s: PooledSession) -> None:
+        try:
+            await self.client.close(s.env_id)
+        except Exception as exc:  # the instance is gone anyway; idle expiry cleans up
+            log.debug("closing env %s failed: %s", s.env_id, exc)
+
+    async def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Close every instance this pool holds (idle and busy), for at most ``timeout_s``."""
+        sessions = [*self.idle, *self.busy]
         self.idle.clear()
         self.busy.clear()
+        await self._close_all(sessions, timeout_s, shield=False)
 
     def stats(self) -> dict[str, float]:
         return {"env_instances_created": float(self.created), "env_instances_replaced": float(self.replaced),

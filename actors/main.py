@@ -214,4 +214,21 @@ def main(argv: Iterable[str] | None = None) -> int:
     except conf.ConfigError as exc:  # CURVE key files
         print(f"turnscale actor: {exc}", file=sys.stderr)
         return 2
-    return trio.run(actor.run)
+    code = trio.run(actor.run)
+    exit_now(code)
+    return code  # not reached
+
+
+def exit_now(code: int) -> None:
+    """End the process at once once ``Actor.run`` has returned: logs flushed, then ``os._exit``.
+    Everything the actor owns is closed by then (sessions, env instances, engine, sockets);
+    what remains is interpreter teardown of torch/transformers (seconds on a loaded host) and
+    any engine thread a library left behind (vLLM's), which would push a stopped actor past
+    Slurm's ``KillWait`` (docs/ARCHITECTURE.md, "Graceful stop")."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

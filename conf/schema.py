@@ -453,10 +453,19 @@ class ActorConfig:
     """Leases run at once."""
     actor_id: str = ""
     """Empty: ``host-pid-random``."""
+    pool: str = "default"
+    """The pool this actor belongs to (``Hello.pool``): a named kind of hardware with its own
+    engine settings (``nvidia``, ``ascend``, ``cpu``); metrics and scaling are split by it."""
     request_timeout_s: float = 30.0
     reconnect_max_backoff_s: float = 10.0
     shutdown_grace_s: float = 10.0
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
+    stop_timeout_s: float = 3.0
+    """Once stopping, every request to the learner (the last groups, ``Goodbye``, a pending
+    ``Hello``), including one already waiting when the stop began, gets at most this long,
+    and so does closing the env instances: an actor whose learner and env server are gone
+    exits within ``shutdown_grace_s + 2 * stop_timeout_s`` (Slurm SIGKILLs ``KillWait``,
+    30 s, after SIGTERM)."""
     env_url: str = ""
     """Override the env server URL the learner announces (e.g. a host-local envhub)."""
     env_batch_steps: bool = False
@@ -492,6 +501,11 @@ class ActorConfig:
         _require(self.weights_shm in ("auto", "true", "false"), "actor.weights_shm",
                  f"must be auto, true or false, got {self.weights_shm!r}")
 
+    def __post_init__(self) -> None:
+        _require(bool(self.pool) and self.pool.isprintable() and len(self.pool) <= 256, "actor.pool",
+                 "must be a non-empty printable name (at most 256 characters)")
+        _require(self.stop_timeout_s > 0, "actor.stop_timeout_s", "must be > 0 seconds")
+
 
 @dataclass(kw_only=True)
 class WarmStartConfig:
@@ -505,6 +519,72 @@ class WarmStartConfig:
     """SFT steps (0 skips the warm start); stopped early on purpose, so RL has room."""
     lr: float = 3e-3
     batch_episodes: int = 16
+
+
+@dataclass(kw_only=True)
+class PoolConfig:
+    """One actor pool of ``turnscale slurm``: a named kind of actor hardware, its Slurm
+    placement and its engine settings; one job array per pool."""
+
+    name: str = "cpu"
+    """Pool name (``actor.pool``; metrics and scaling are split by it)."""
+    count: int = 1
+    """Actors (array tasks) submitted at start."""
+    min_actors: int = 0
+    max_actors: int = 8
+    """Bounds for the scaling controller."""
+    cost: float = 1.0
+    """Relative price of one actor (scale-up prefers tokens/s per cost)."""
+    constraint: str = ""
+    """``sbatch -C`` (node features, e.g. ``nvidia``, ``ascend``)."""
+    partition: str = ""
+    """``sbatch -p`` (empty: ``slurm.partition``)."""
+    cpus_per_task: int = 2
+    gres: str = ""
+    """``sbatch --gres`` (e.g. ``gpu:1``, ``npu:1``)."""
+    overrides: list[str] = field(default_factory=list)
+    """Hydra overrides for this pool's actors (``engine=vllm``, ``engine.dtype=bfloat16``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of this pool's actors (``ASCEND_RT_VISIBLE_DEVICES``)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name) and self.name.replace("_", "").replace("-", "").isalnum(), "slurm.pools[].name",
+                 "letters, digits, '-' and '_' only (it names files and jobs)")
+        _require(0 <= self.min_actors <= self.max_actors, f"slurm.pools[{self.name}]", "needs 0 <= min_actors <= max_actors")
+        _require(self.count >= 0 and self.cpus_per_task >= 1 and self.cost > 0, f"slurm.pools[{self.name}]",
+                 "needs count >= 0, cpus_per_task >= 1, cost > 0")
+
+
+@dataclass(kw_only=True)
+class SlurmConfig:
+    """``turnscale slurm``: sbatch scripts for one learner job, one envhub job (or an
+    external env URL) and one actor job array per pool (``turnscale/slurm.py``)."""
+
+    dir: str = "slurm-run"
+    """Run folder on storage every node sees: scripts, logs, the learner's address file,
+    the learner's run dir (``learner.dir`` is set to ``<dir>/learner``)."""
+    python: str = "python"
+    """Interpreter on the nodes (with turnscale installed)."""
+    workdir: str = ""
+    """``cd`` here before starting (empty: the folder ``turnscale slurm`` ran in)."""
+    partition: str = ""
+    account: str = ""
+    time: str = ""
+    """``sbatch --time`` for every job (empty: the partition's default)."""
+    learner_constraint: str = ""
+    learner_gres: str = ""
+    learner_cpus: int = 4
+    env_url: str = ""
+    """An external env server (e.g. AgentGym's); empty: an envhub job is submitted."""
+    envhub_cpus: int = 2
+    wait_s: int = 600
+    """How long an actor job waits for the learner's (and envhub's) address file."""
+    pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig()])
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.pools]
+        _require(bool(names) and len(set(names)) == len(names), "slurm.pools", f"needs unique pool names, got {names}")
+        _require(self.learner_cpus >= 1 and self.envhub_cpus >= 1 and self.wait_s >= 1, "slurm", "cpus and wait_s must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -550,3 +630,4 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)

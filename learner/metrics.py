@@ -217,7 +217,22 @@ def format_progress(step: int, m: Mapping[str, float]) -> str:
     return (f"step {step} | version {g('perf/version', '{:.0f}')} | turns {g('rollout/turn_limit', '{:.0f}')} | "
             f"success {g('rollout/success', '{:.3f}')} | return {g('rollout/return', '{:.3f}')} | "
             f"groups/s {g('perf/groups_per_s')} | tok/s {g('perf/tokens_trained_per_s', '{:.0f}')} | "
-            f"staleness {g('rollout/staleness_mean', '{:.2f}')} | dropped {g('rollout/groups_dropped', '{:.0f}')}")
+            f"staleness {g('rollout/staleness_mean', '{:.2f}')} | dropped {g('rollout/groups_dropped', '{:.0f}')}"
+            + format_pools(m))
+
+
+def format_pools(m: Mapping[str, float]) -> str:
+    """`` | pools cpu 2a 310tok/s st0.5, gpu 1a 900tok/s st1.0`` when actors report pools
+    other than ``default`` (actors, generated tokens/s, mean staleness of trained groups)."""
+    names = sorted({k.split("/")[1] for k in m if k.startswith("pool/") and k.endswith("/actors")})
+    if not names or names == ["default"]:
+        return ""
+    parts = []
+    for n in names:
+        st = m.get(f"pool/{n}/staleness_mean")
+        parts.append(f"{n} {m[f'pool/{n}/actors']:.0f}a {m.get(f'pool/{n}/tokens_generated_per_s', 0.0):.0f}tok/s"
+                     + (f" st{st:.2f}" if st is not None else ""))
+    return " | pools " + ", ".join(parts)
 
 
 class MultiLogger:

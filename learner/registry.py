@@ -57,6 +57,10 @@ class ActorInfo:
     """``Hello.relay_endpoint``: where it serves weight chunks to other actors (empty: none)."""
     relay_public_key: str = ""
     """``Hello.relay_public_key``: the relay's CURVE public key (empty: a plain relay)."""
+    pool: str = "default"
+    """``Hello.pool``: the actor's hardware/engine pool."""
+    draining: bool = False
+    """Told to drain (``ControlRequest``): no new leases; told ``Shutdown`` once it holds none."""
 
 
 def hello_problem(msg: Hello) -> str:
@@ -65,11 +69,13 @@ def hello_problem(msg: Hello) -> str:
         return f"actor_id must be 1-{MAX_ID_CHARS} printable characters"
     if len(msg.token) > MAX_ID_CHARS:
         return f"token must be at most {MAX_ID_CHARS} characters"
-    for name in ("host", "engine", "device"):
+    for name in ("host", "engine", "device", "pool"):
         if len(getattr(msg, name)) > MAX_NAME_CHARS:
             return f"{name} must be at most {MAX_NAME_CHARS} characters"
     if msg.max_groups < 1:
         return "max_groups must be >= 1"
+    if not msg.pool or not msg.pool.isprintable():
+        return "pool must be a non-empty printable name"
     ep = msg.relay_endpoint
     if ep and (len(ep) > MAX_NAME_CHARS or not ep.startswith("tcp://") or not ep.isprintable() or ":" not in ep[6:]):
         return f"relay_endpoint must be empty or tcp://host:port (at most {MAX_NAME_CHARS} characters)"
@@ -113,7 +119,8 @@ class ActorRegistry:
                                     message=f"the learner serves at most {self.max_actors} actors"), False
         info = ActorInfo(msg.actor_id, msg.host, msg.pid, msg.engine, now, identity=identity, token=msg.token,
                          max_groups=min(msg.max_groups, MAX_GROUPS_PER_ACTOR), relay_endpoint=msg.relay_endpoint,
-                         relay_public_key=msg.relay_public_key)
+                         relay_public_key=msg.relay_public_key, pool=msg.pool,
+                         draining=old is not None and old.draining)  # a drain survives a reconnect
         self.actors[msg.actor_id] = info
         return info, None, old is not None
 

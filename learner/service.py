@@ -46,6 +46,14 @@ Identity: ``run_id`` names the run (kept across resumes); ``incarnation`` names 
 learner process (new on every start, sent in every ``PolicyAnnouncement``), so actors
 drop weights that a previous incarnation published under the same version numbers.
 
+Scaling (``ControlRequest`` -> ``LearnerStatus``, from a controller such as
+``turnscale.scaling``): a request may drain actors and set the lease limit per actor (at
+most ``learner.max_leases_per_actor``); every reply carries the signals (``_status``).  A
+drained actor gets no new lease; its in-flight groups are accepted and trained as usual;
+once it holds no lease its next ``LeaseRequest`` or ``Heartbeat`` is answered
+``Shutdown(reason="drained")`` and it leaves (``Goodbye``).  Nothing is lost or trained
+twice: draining changes only who gets the next lease.
+
 Shutdown: after ``learner.steps`` steps the service publishes ``Shutdown`` (a few times;
 PUB is lossy) and from then on answers every ``Hello``, ``LeaseRequest`` and ``Heartbeat``
 with ``Shutdown`` too, so an actor that missed the announcements (a slow subscriber, or
@@ -81,6 +89,9 @@ from learner.validation import GroupLimits
 from protocol import codec
 from protocol.errors import ProtocolError, TransportError
 from protocol.messages import (
+    ActorStatus,
+    ControlRequest,
+    LearnerStatus,
     SCHEMA_VERSION,
     EnvEndpoint,
     ErrorReply,
@@ -193,6 +204,7 @@ class LearnerService:
         self._have_groups = trio.Event()
         self._last_step_end = time.monotonic()
         self._generated_seen = 0.0
+        self._pool_generated_seen: dict[str, float] = {}
         self._ctx: zmq.Context | None = None
         self.train_lock = trio.Lock()
         """Held while a step trains, publishes and checkpoints (a signal handler saving a
@@ -200,6 +212,10 @@ class LearnerService:
         self.last_checkpoint_step = -1
         self.ready = trio.Event()
         """Set once sockets are bound and version 0 (or the resumed version) is published."""
+        self.lease_limit = lc.max_leases_per_actor
+        """Leases one actor may hold; a controller may lower it (``ControlRequest``)."""
+        self.scaling_signals = ScalingSignals()
+        """Cumulative scaling signals (``LearnerStatus``)."""
 
     # ------------------------------------------------------------------ state (read from self.run)
     @property
@@ -358,10 +374,16 @@ class LearnerService:
                 self._ledger(r, "stale", self.step + 1)
                 log.info("group %s (sampled at v%d) dropped as stale at v%d; task %s re-issued", r.lease.lease_id,
                          r.oldest, self.version, r.lease.task.data_idx)
+            self.scaling_signals.groups_stale += len(stale)
             if batch:
                 return batch
             self._have_groups = trio.Event()
-            await self._have_groups.wait()
+            self.scaling_signals.waiting_since = t0 = trio.current_time()
+            try:
+                await self._have_groups.wait()
+            finally:
+                self.scaling_signals.waiting_since = None
+                self.scaling_signals.idle_s += trio.current_time() - t0
 
     def _ledger(self, r: Ready, outcome: str, step: int) -> None:
         """One line per group that left the ready buffer for optimizer step ``step`` (1-based):
@@ -403,6 +425,10 @@ class LearnerService:
         for r in ready:
             self._ledger(r, "trained", self.step)
             record_trained(m, r.group, self.version - r.oldest)
+            self.scaling_signals.groups_trained += 1
+            self.scaling_signals.staleness_sum += max(0, self.version - r.oldest)
+            a = self.actors.actors.get(r.group.actor_id)
+            m.add(f"pool/{a.pool if a is not None else 'departed'}/staleness_mean", self.version - r.oldest, "mean")
             warning = self.signal.observe([ep.reward for ep in r.group.episodes], [ep.success for ep in r.group.episodes])
             if warning:
                 log.warning("%s", warning)
@@ -423,10 +449,24 @@ class LearnerService:
         self.parts.logger.write(self.step, m.reduce())
 
     def _record_actor_stats(self, m: StepMetrics, wall: float) -> None:
-        """From the actors' latest heartbeats: generation throughput and engine busy fraction."""
+        """From the actors' latest heartbeats: generation throughput and engine busy fraction,
+        in all and per pool (``pool/<name>/actors``, ``.../tokens_generated_per_s``,
+        ``.../weight_pull_s_mean``: seconds per weight pull, from the actors' counters)."""
         total = sum(a.stats.get("tokens_generated", 0.0) for a in self.actors.values())
         m.add("perf/tokens_generated_per_s", max(0.0, total - self._generated_seen) / wall, "last")
         self._generated_seen = total
+        pools: dict[str, list[Any]] = {}
+        for a in self.actors.values():
+            pools.setdefault(a.pool, []).append(a)
+        for name, members in pools.items():
+            gen = sum(a.stats.get("tokens_generated", 0.0) for a in members)
+            seen = self._pool_generated_seen.get(name, gen)  # a pool's first step: no rate yet
+            self._pool_generated_seen[name] = gen
+            m.add(f"pool/{name}/actors", len(members), "last")
+            m.add(f"pool/{name}/tokens_generated_per_s", max(0.0, gen - seen) / wall, "last")
+            pulls = sum(a.stats.get("weight_pulls", 0.0) for a in members)
+            if pulls:
+                m.add(f"pool/{name}/weight_pull_s_mean", sum(a.stats.get("weight_pull_s", 0.0) for a in members) / pulls, "last")
         busy = [a.stats["engine_busy"] for a in self.actors.values() if "engine_busy" in a.stats]
         if busy:
             m.add("perf/actor_engine_busy", sum(busy) / len(busy), "last")
@@ -486,6 +526,8 @@ class LearnerService:
         now = trio.current_time()
         if self.stopping and isinstance(msg, (Hello, LeaseRequest, Heartbeat)):
             return self._told_shutdown(msg, identity)
+        if isinstance(msg, ControlRequest):
+            return self._control(msg)
         if isinstance(msg, Hello):
             return self._hello(msg, identity, now)
         if isinstance(msg, LeaseRequest):
@@ -497,6 +539,8 @@ class LearnerService:
             if a is None:
                 return _not_registered()
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
+            if a.draining and self.leases.held_by(msg.actor_id) == 0 and not msg.lease_ids:
+                return self._drained(a)
             sources = self.weight_sources(msg.actor_id)
             return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now),
                                 weight_sources=sources, weight_source_keys=self.relay_keys(sources),
@@ -587,11 +631,13 @@ class LearnerService:
         if a is None:
             return _not_registered()
         a.last_seen = now
+        if a.draining:
+            return self._drained(a) if self.leases.held_by(msg.actor_id) == 0 else LeaseGrant(leases=[], retry_after_s=1.0)
         if self.stopping or msg.max_leases < 1:
             return LeaseGrant(leases=[], retry_after_s=1.0)
         if self.publishing:
             return LeaseGrant(leases=[], retry_after_s=0.1)
-        room = min(a.max_groups, self.cfg.learner.max_leases_per_actor) - self.leases.held_by(msg.actor_id)
+        room = min(a.max_groups, self.lease_limit) - self.leases.held_by(msg.actor_id)
         want = min(msg.max_leases, max(0, room))  # one actor cannot take the whole admission window
         leases = self.leases.grant(msg.actor_id, want, now)
         for lease in leases:
@@ -608,6 +654,8 @@ class LearnerService:
         lease_s = now - live.issued_at if live is not None else -1.0
         r = self.leases.intake(group, now)
         record_intake(self.metrics, r.accepted, r.reason)
+        self.scaling_signals.groups_received += 1
+        self.scaling_signals.groups_stale += int(r.reason == "stale")
         if r.accepted:  # buffer first: from here on the group is owned by the learner
             self.buffer.append(self.leases.ready(group, r))
             if len(self.buffer) >= self.cfg.learner.groups_per_step:
@@ -623,6 +671,56 @@ class LearnerService:
             self.metrics.add("rollout/trajlog_errors", 1, "sum")
             log.warning("trajectory log write failed for group %s: %s: %s", group.lease_id, type(exc).__name__, exc)
         return GroupAck(lease_id=group.lease_id, accepted=r.accepted, reason=r.reason)
+
+
+    # ------------------------------------------------------------------ scaling
+    def _control(self, msg: ControlRequest) -> LearnerStatus:
+        """Drain the named actors and/or set the lease limit; answer the signals."""
+        for aid in msg.drain:
+            a = self.actors.actors.get(aid)
+            if a is None:
+                log.info("drain: no actor %s registered; ignored", short(aid))
+            elif not a.draining:
+                a.draining = True
+                log.info("actor %s (pool %s) draining: no new leases, %d in flight", short(aid), short(a.pool),
+                         self.leases.held_by(aid))
+        if msg.max_leases_per_actor > 0:
+            limit = min(msg.max_leases_per_actor, self.cfg.learner.max_leases_per_actor)
+            if limit != self.lease_limit:
+                log.info("lease limit per actor %d -> %d", self.lease_limit, limit)
+            self.lease_limit = limit
+        return self._status()
+
+    def _drained(self, a: Any) -> Shutdown:
+        log.info("actor %s drained (no lease left); told to leave", short(a.actor_id))
+        return Shutdown(reason="drained")
+
+    def _status(self) -> LearnerStatus:
+        s = self.scaling_signals
+        actors = [ActorStatus(actor_id=a.actor_id, pool=a.pool, host=a.host, leases=self.leases.held_by(a.actor_id),
+                              draining=a.draining, tokens_generated=float(a.stats.get("tokens_generated", 0.0)))
+                  for a in self.actors.values()]
+        idle = s.idle_s + (trio.current_time() - s.waiting_since if s.waiting_since is not None else 0.0)
+        return LearnerStatus(step=self.step, version=self.version, uptime_s=time.monotonic() - s.started,
+                             idle_s=idle, ready_groups=len(self.buffer), live_leases=len(self.leases.live),
+                             groups_received=s.groups_received, groups_stale=s.groups_stale,
+                             groups_trained=s.groups_trained, staleness_sum=s.staleness_sum,
+                             max_leases_per_actor=self.lease_limit, actors=actors)
+
+
+@dataclass
+class ScalingSignals:
+    """Cumulative counters behind ``LearnerStatus`` (the scaling signals)."""
+
+    started: float = field(default_factory=time.monotonic)
+    idle_s: float = 0.0
+    """Time the training loop waited for groups (closed waits)."""
+    waiting_since: float | None = None
+    """trio time the current wait began (None: not waiting)."""
+    groups_received: int = 0
+    groups_stale: int = 0
+    groups_trained: int = 0
+    staleness_sum: int = 0
 
 
 def _not_registered() -> ErrorReply:

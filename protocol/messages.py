@@ -13,6 +13,13 @@ The conversation (actor ``DEALER`` <-> learner ``ROUTER``, one request, one repl
     Heartbeat        -> HeartbeatAck          (names leases the learner no longer holds)
     Goodbye          -> GroupAck(lease_id="") (learner releases the actor's leases)
 
+A scaling controller (its own ``DEALER`` to the same ``ROUTER``; no registration):
+
+    ControlRequest   -> LearnerStatus         (drain actors, set the lease limit, read the signals)
+
+A drained actor is answered ``Shutdown(reason="drained")`` on its next ``LeaseRequest``
+once it holds no lease; it says ``Goodbye`` and exits.
+
 Weights (actor ``DEALER`` <-> learner weights ``ROUTER``, its own socket and thread):
 
     WeightChunkRequest -> WeightChunk | ErrorReply
@@ -37,14 +44,15 @@ import numpy as np
 from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Bumped on every incompatible change; a message with another version is rejected.
 (3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
 read them; a lease carries its turn limit and version.  4: weight fan-out through actor
 relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.weight_sources``.  5: out-of-band arrays are
 packed, several to a data frame: the array ext is ``[dtype, shape, frame, offset]``;
 ``PolicyAnnouncement.shm_path`` / ``shm_token``: same-host weights in shared memory.
-6: relays authenticate their clients: ``Welcome``/``HeartbeatAck.relay_clients``.)"""
+6: relays authenticate their clients: ``Welcome``/``HeartbeatAck.relay_clients``.
+7: actor pools and elastic scaling: ``Hello.pool``, ``ControlRequest``, ``LearnerStatus``.)"""
 
 FINISH_REASONS = frozenset(
     {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
@@ -295,6 +303,9 @@ class Hello:
     relay_public_key: str = ""
     """The relay's CURVE public key (z85 text) when it serves CURVE (the actor's own key
     pair); empty: a plain relay."""
+    pool: str = "default"
+    """The actor's pool: the named kind of hardware and engine settings it runs on
+    (``nvidia``, ``ascend``, ``cpu``); metrics and the scaling signals are split by it."""
     schema_version: int = SCHEMA_VERSION
     """The actor's protocol version (also checked on the envelope)."""
 
@@ -542,6 +553,69 @@ class Shutdown:
 
 
 @record
+class ControlRequest:
+    """From a scaling controller: drain actors and/or set the lease limit; answered with
+    the learner's signals (``LearnerStatus``).  An empty request only reads them.
+
+    Example: ``ControlRequest(drain=["node3-4411-ab12"], max_leases_per_actor=1)``."""
+
+    drain: list[str] = field(default_factory=list)
+    """Actor ids to drain: no new lease for them; once they hold none they are told
+    ``Shutdown(reason="drained")`` and leave.  Unknown ids are ignored (named in the log)."""
+    max_leases_per_actor: int = 0
+    """New limit of leases one actor may hold (0: unchanged); capped by ``learner.max_leases_per_actor``."""
+
+
+@record
+class ActorStatus:
+    """One registered actor, as ``LearnerStatus`` reports it."""
+
+    actor_id: str
+    """Its id."""
+    pool: str
+    """``Hello.pool``."""
+    host: str
+    """``Hello.host``."""
+    leases: int
+    """Leases it holds now."""
+    draining: bool
+    """Told to drain (it leaves once ``leases`` is 0)."""
+    tokens_generated: float = 0.0
+    """Tokens its engine generated since it started (its latest heartbeat)."""
+
+
+@record
+class LearnerStatus:
+    """The learner's scaling signals.  Counters are cumulative since the learner started:
+    a controller takes differences between two replies (``turnscale.scaling``)."""
+
+    step: int
+    """Optimizer steps taken."""
+    version: int
+    """Published policy version."""
+    uptime_s: float
+    """Seconds since the learner started serving."""
+    idle_s: float
+    """Seconds the training loop spent waiting for groups (learner idle)."""
+    ready_groups: int
+    """Accepted groups waiting for a batch now (ready-group depth)."""
+    live_leases: int
+    """Leases granted and not yet answered (lease backlog)."""
+    groups_received: int
+    """Groups that arrived."""
+    groups_stale: int
+    """Groups dropped as stale (on arrival or when a batch was formed)."""
+    groups_trained: int
+    """Groups trained."""
+    staleness_sum: int
+    """Sum over trained groups of versions between sampling and training (policy lag)."""
+    max_leases_per_actor: int
+    """The lease limit in force."""
+    actors: list[ActorStatus] = field(default_factory=list)
+    """Every registered actor."""
+
+
+@record
 class ErrorReply:
     """Typed error answer to any request."""
 
@@ -556,6 +630,6 @@ class ErrorReply:
 Message = (
     Hello | Welcome | LeaseRequest | LeaseGrant | TrajectoryGroup | GroupAck | Heartbeat
     | HeartbeatAck | Goodbye | Shutdown | ErrorReply | PolicyAnnouncement
-    | WeightChunkRequest | WeightChunk
+    | WeightChunkRequest | WeightChunk | ControlRequest | LearnerStatus
 )
 """Every top-level message (nested records like ``Episode`` travel only inside them)."""

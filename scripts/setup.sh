@@ -29,6 +29,17 @@ if ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 
+if ! command -v slurmctld >/dev/null 2>&1; then
+  # The Slurm launcher's cluster test runs a real slurmctld + slurmd (Debian 12: slurm-wlm 22.05).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    # Best effort: without Slurm only that test skips.
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null; } \
+      || echo "setup: could not install slurm-wlm; the Slurm cluster test will skip" >&2
+  else
+    echo "setup: slurmctld not found; the Slurm cluster test will skip (apt-get install slurm-wlm)" >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -18,6 +18,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "experiment": ("turnscale.experiment", "ScalingInter-RL vs fixed turn limits: same budget, seeds, error bars"),
     "bench": ("benchmarks.main", "throughput benchmarks, as ratios against in-run baselines"),
     "view": ("turnscale.viewer", "browse trajectories of a run directory in a local web app"),
+    "slurm": ("turnscale.slurm", "sbatch scripts for a Slurm cluster (learner, envhub, one actor array per pool); --dry-run prints them"),
     "keys": ("turnscale.keys", "write CURVE key files (learner, actors, authorized/) for non-loopback runs"),
 }
 

@@ -408,3 +408,11 @@ def test_frames_given_as_typed_memoryviews_are_counted_in_bytes():
     header = codec.encode(m.WeightChunk(version=1, index=0, checksum=0, data=f32.view(np.uint8)), out_of_band_bytes=0)[0]
     got = codec.decode([header, memoryview(f32)])
     assert np.array_equal(got.data, f32.view(np.uint8)) and np.shares_memory(got.data, f32)
+
+
+def test_a_hello_from_schema_6_is_rejected_naming_both_versions():
+    """Schema 7 added ``Hello.pool``: an actor of the previous release is refused with a
+    ``ProtocolError`` telling which side to upgrade, not half-understood."""
+    body = {"actor_id": "a", "host": "h", "pid": 1, "engine": "hf", "device": "cpu", "max_groups": 1, "schema_version": 6}
+    with pytest.raises(ProtocolError, match=rf"schema version 6 != {m.SCHEMA_VERSION}; upgrade the older side"):
+        codec.decode([env("Hello", body, v=6)])

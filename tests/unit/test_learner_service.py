@@ -534,3 +534,143 @@ def test_a_checkpoint_from_before_schema_3_with_a_turn_limit_in_extra_still_resu
     svc2 = LearnerService(cfg, ServiceParts(trainer=trainer2, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
                                             checkpointer=MemCheckpointer(trainer2, store)))
     assert svc2.restore() and (svc2.step, svc2.version, svc2.turn_limit) == (2, 2, 13)
+
+
+def test_a_drained_actor_gets_no_new_lease_finishes_its_groups_then_is_told_to_leave():
+    """``ControlRequest(drain=[...])``: the learner stops leasing to the actor, its in-flight
+    group is still accepted and trained, then its next ``LeaseRequest`` is answered
+    ``Shutdown("drained")``; the reply carries the signals, split by pool."""
+    from protocol.messages import ControlRequest, LearnerStatus
+
+    cfg = make_cfg(**{"learner.steps": 50, "learner.max_staleness": 3})
+    trainer = FakeTrainer()
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule())
+    seen = {}
+
+    async def script(svc, ctx):
+        a = await client(ctx, cfg)
+        await a.request(Hello(actor_id="a", host="h1", pid=1, engine="fake", device="cpu", max_groups=2, pool="cpu"), timeout_s=5)
+        b = await client(ctx, cfg)
+        await b.request(Hello(actor_id="b", host="h2", pid=2, engine="fake", device="cpu", max_groups=2, pool="gpu"), timeout_s=5)
+        g = await a.request(LeaseRequest(actor_id="a", max_leases=1), timeout_s=5)
+        held = g.leases[0]
+        ctl = await client(ctx, cfg)
+        st = await ctl.request(ControlRequest(drain=["a", "nobody"], max_leases_per_actor=1), timeout_s=5)
+        seen["status"] = st
+        seen["grant_while_draining"] = await a.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)
+        seen["b_grant"] = await b.request(LeaseRequest(actor_id="b", max_leases=2), timeout_s=5)  # limit 1 now
+        seen["ack"] = await a.request(make_group(held, actor_id="a"), timeout_s=5)
+        seen["after"] = await a.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)
+        await a.request(Goodbye(actor_id="a", reason="learner shutdown: drained"), timeout_s=5)
+        seen["final"] = await ctl.request(ControlRequest(), timeout_s=5)
+        return held.lease_id
+
+    svc, held = run_service_with(cfg, parts, script)
+    st = seen["status"]
+    assert isinstance(st, LearnerStatus) and st.max_leases_per_actor == 1 and st.live_leases == 1
+    by_id = {x.actor_id: x for x in st.actors}
+    assert (by_id["a"].pool, by_id["a"].draining, by_id["a"].leases) == ("cpu", True, 1)
+    assert (by_id["b"].pool, by_id["b"].draining) == ("gpu", False)
+    assert seen["grant_while_draining"].leases == []
+    assert len(seen["b_grant"].leases) == 1
+    assert seen["ack"].accepted
+    assert isinstance(seen["after"], Shutdown) and seen["after"].reason == "drained"
+    fin = seen["final"]
+    assert [x.actor_id for x in fin.actors] == ["b"] and fin.groups_received == 1
+    assert fin.ready_groups + fin.groups_trained == 1  # the drained actor's group is kept
+    assert fin.uptime_s >= fin.idle_s >= 0
+
+
+def test_step_metrics_are_split_by_actor_pool():
+    """Two actors in two pools: each pool's actors, generated tokens/s (from heartbeats) and
+    the staleness of the groups it played appear as ``pool/<name>/...``."""
+    cfg = make_cfg(**{"learner.steps": 2, "learner.groups_per_step": 2})
+    trainer, logged = FakeTrainer(), []
+
+    class CaptureLogger:
+        def write(self, step, metrics):
+            logged.append(dict(metrics))
+
+        def close(self):
+            pass
+
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(), logger=CaptureLogger())
+
+    async def script(svc, ctx):
+        reqs = {}
+        for aid, pool in (("a", "cpu"), ("b", "gpu")):
+            reqs[aid] = await client(ctx, cfg)
+            await reqs[aid].request(Hello(actor_id=aid, host="h", pid=1, engine="fake", device="cpu", max_groups=1, pool=pool), timeout_s=5)
+        tokens = {"a": 0.0, "b": 0.0}
+        while svc.step < 2:
+            for aid, req in reqs.items():
+                tokens[aid] += 100.0 if aid == "a" else 400.0
+                await req.request(Heartbeat(actor_id=aid, lease_ids=[], policy_version=svc.version,
+                                            stats={"tokens_generated": tokens[aid], "weight_pulls": 1.0, "weight_pull_s": 0.5}), timeout_s=5)
+                g = await req.request(LeaseRequest(actor_id=aid, max_leases=1), timeout_s=5)
+                for lease in g.leases:
+                    await req.request(make_group(lease, actor_id=aid), timeout_s=5)
+            await trio.sleep(0.02)
+
+    run_service_with(cfg, parts, script)
+    last = logged[-1]
+    assert last["pool/cpu/actors"] == 1 and last["pool/gpu/actors"] == 1
+    assert last["pool/gpu/tokens_generated_per_s"] > last["pool/cpu/tokens_generated_per_s"] > 0
+    assert last["pool/cpu/weight_pull_s_mean"] == 0.5
+    assert any("pool/cpu/staleness_mean" in m for m in logged) and any("pool/gpu/staleness_mean" in m for m in logged)
+    from learner.metrics import format_progress
+
+    line = format_progress(2, last)
+    assert "| pools cpu 1a" in line and "gpu 1a" in line
+
+
+def test_autoscaler_reads_the_real_learner_and_acts_through_the_backend():
+    """``turnscale.control.Autoscaler`` against the real service: a pool above its max is
+    drained down (the least busy actor, told through the learner), a starved learner gets
+    more actors from the backend (a fake backend records the calls)."""
+    from turnscale.control import Autoscaler, LearnerControl
+    from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
+
+    cfg = make_cfg(**{"learner.steps": 50})
+    parts = ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict, schedule=FakeSchedule())
+
+    class Backend:
+        def __init__(self):
+            self.calls = []
+
+        def scale_to(self, pool, n):
+            self.calls.append(("scale_to", pool, n))
+
+        def drain(self, actor_id):
+            self.calls.append(("drain", actor_id))
+
+    backend = Backend()
+    seen = {}
+
+    async def script(svc, ctx):
+        reqs = {}
+        for aid, pool in (("a", "cpu"), ("b", "cpu"), ("g", "gpu")):
+            reqs[aid] = await client(ctx, cfg)
+            await reqs[aid].request(Hello(actor_id=aid, host="h", pid=1, engine="fake", device="cpu", max_groups=2, pool=pool), timeout_s=5)
+        await reqs["a"].request(LeaseRequest(actor_id="a", max_leases=1), timeout_s=5)  # "a" is busier than "b"
+        control = LearnerControl("127.0.0.1", cfg.learner.port, timeout_s=10)
+        policy = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=1),
+                                      PoolPolicy(name="gpu", min_actors=0, max_actors=2, cost=2.0)),
+                               window=1, max_leases=2, up_idle=0.2, down_idle=0.01)
+        auto = Autoscaler(control=control, controller=ScalingController(policy, wanted={"cpu": 2, "gpu": 1}), backend=backend)
+        try:
+            seen["first"] = await trio.to_thread.run_sync(auto.tick)  # no interval yet
+            await trio.sleep(0.3)
+            seen["clamp"] = await trio.to_thread.run_sync(auto.tick)  # cpu 2 > max 1: drain one
+            seen["draining"] = {a.actor_id for a in svc.actors.values() if a.draining}
+            await trio.sleep(0.3)
+            seen["starved"] = await trio.to_thread.run_sync(auto.tick)  # learner idle, nothing ready: gpu + 1
+        finally:
+            control.close()
+
+    run_service_with(cfg, parts, script)
+    assert seen["first"] is None
+    assert seen["clamp"].changed and seen["clamp"].wanted["cpu"] == 1
+    assert seen["draining"] == {"b"}
+    assert ("drain", "b") in backend.calls
+    assert seen["starved"].changed and backend.calls[-1] == ("scale_to", "gpu", 2), (seen["starved"].reason, backend.calls)

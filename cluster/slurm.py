@@ -1,0 +1,194 @@
+"""A real Slurm on this machine for tests: one ``slurmctld`` and ``slurmd`` daemons, no munge.
+
+Debian 12's ``slurm-wlm`` (22.05) with ``AuthType=auth/none``, ``CredType=cred/none``,
+``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``, one-second scheduler
+intervals, per-node spool folders, and node ``Features`` standing for actor pools (count-only
+GRES does not register in this setup).  Nodes are declared on the loopback address, one
+slurmd each with its own port (``NodeName=... Port=``); only one node is exercised so far
+(several slurmd on one address need Slurm's multiple-slurmd build; one slurmd per fake host
+in its own network namespace, ``cluster/netns.py``, is the way to several).  Everything lives
+in one folder; commands (``sbatch``, ``squeue``, ``scancel``) get ``SLURM_CONF`` through ``env()``.
+
+Teardown (``close``, also on failure): every job of this cluster is cancelled, the daemons
+get SIGTERM then SIGKILL by pid, and any process still running whose command line names this
+cluster's folder (the jobs' own processes: slurmstepd, the scripts and what they exec) is
+killed by pid.  Needs root (the daemons run as ``SlurmUser=root``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when a fake cluster can run here, else (False, why)."""
+    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "squeue", "scancel") if shutil.which(b) is None]
+    if missing:
+        return False, f"Slurm not installed ({', '.join(missing)} missing; apt-get install slurm-wlm)"
+    if os.geteuid() != 0:
+        return False, "the Slurm daemons need root"
+    return True, ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    features: tuple[str, ...] = ()
+    cpus: int = 8
+
+
+@dataclass
+class FakeSlurm:
+    """See the module docstring.  ``nodes``: one slurmd each."""
+
+    folder: Path
+    nodes: Sequence[Node]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.folder = Path(self.folder).resolve()
+        self.conf = self.folder / "slurm.conf"
+        self.ctld_port = _free_port()
+        self.node_ports = {n.name: _free_port() for n in self.nodes}
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def write_conf(self) -> None:
+        f = self.folder
+        for d in ("state", "spool", "logs"):
+            (f / d).mkdir(parents=True, exist_ok=True)
+        for n in self.nodes:
+            (f / "spool" / n.name).mkdir(exist_ok=True)
+        host = socket.gethostname().split(".")[0]
+        lines = [
+            "ClusterName=tsfake", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={self.ctld_port}",
+            "AuthType=auth/none", "CredType=cred/none", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none", "SlurmUser=root", "SlurmdUser=root", "MpiDefault=none",
+            f"StateSaveLocation={f}/state", f"SlurmdSpoolDir={f}/spool/%n",
+            f"SlurmctldPidFile={f}/slurmctld.pid", f"SlurmdPidFile={f}/slurmd-%n.pid",
+            f"SlurmctldLogFile={f}/logs/slurmctld.log", f"SlurmdLogFile={f}/logs/slurmd-%n.log",
+            "SchedulerType=sched/backfill", "SchedulerParameters=bf_interval=1,sched_interval=1",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2",
+            "SlurmdParameters=config_overrides", "KillWait=30", "SlurmdTimeout=30", "InactiveLimit=0", "MinJobAge=5",
+        ]
+        for n in self.nodes:
+            feats = f" Features={','.join(n.features)}" if n.features else ""
+            lines.append(f"NodeName={n.name} NodeAddr=127.0.0.1 NodeHostname={host} Port={self.node_ports[n.name]} "
+                         f"CPUs={n.cpus} RealMemory=4000{feats} State=UNKNOWN")
+        lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def start(self, timeout_s: float = 60) -> None:
+        self.write_conf()
+        env = self.env()
+        logs = self.folder / "logs"
+        self.procs["slurmctld"] = subprocess.Popen(
+            ["slurmctld", "-D", "-i", "-f", str(self.conf)], env=env, stdin=subprocess.DEVNULL,
+            stdout=open(logs / "slurmctld.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        for n in self.nodes:
+            self.procs[f"slurmd-{n.name}"] = subprocess.Popen(
+                ["slurmd", "-D", "-N", n.name, "-f", str(self.conf)], env=env, stdin=subprocess.DEVNULL,
+                stdout=open(logs / f"slurmd-{n.name}.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.tail(name)}")
+            if self.idle_nodes() >= len(self.nodes):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"Slurm nodes not idle after {timeout_s:.0f}s:\n{self.run(['sinfo', '-N', '-l'])}")
+
+    def run(self, cmd: Sequence[str], timeout_s: float = 30) -> str:
+        r = subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout_s)
+        return r.stdout + r.stderr
+
+    def idle_nodes(self) -> int:
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"])
+        return sum(1 for line in out.splitlines() if line.split()[-1:] in (["idle"], ["mix"], ["alloc"]))
+
+    def jobs(self) -> list[tuple[str, str, str]]:
+        """(job id, name, state) of every job in the queue."""
+        out = self.run(["squeue", "-h", "-o", "%i %j %T"])
+        return [tuple(line.split()[:3]) for line in out.splitlines() if len(line.split()) >= 3]  # type: ignore[misc]
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        p = self.folder / "logs" / f"{name}.out"
+        try:
+            return "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def close(self, grace_s: float = 10) -> None:
+        try:
+            if self.procs.get("slurmctld") is not None and self.procs["slurmctld"].poll() is None:
+                self.run(["scancel", "--full", "--user=root"], timeout_s=20)
+                deadline = time.monotonic() + grace_s
+                while self.jobs() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        for p in self.procs.values():
+            _stop(p.pid, grace_s)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self.stray_pids():
+            _stop(pid, grace_s)
+
+    def stray_pids(self) -> list[int]:
+        """Processes whose command line or environment names this cluster's folder (its jobs)."""
+        me, mark = os.getpid(), str(self.folder).encode()
+        out = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit() or int(d) == me:
+                continue
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            if mark in cmd or mark in env:
+                out.append(int(d))
+        return out
+
+
+def _stop(pid: int, grace_s: float) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,168 @@
+"""A run submitted through ``turnscale slurm`` to a real Slurm (``cluster.slurm.FakeSlurm``:
+slurmctld + slurmd on this machine, no munge) trains end to end with actors in two pools.
+
+The node's features ``cpu`` and ``cpu2`` stand for two kinds of hardware; the ``cpu2`` pool
+runs the hf engine with other settings (``engine.max_batch=2``).  The learner job publishes
+its address in the run folder, the envhub job its URL, the two actor arrays find them, the
+learner trains its steps and tells the actors to stop; every job ends by itself.  Skips
+with the reason when Slurm is not installed or this is not root.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.slurm import FakeSlurm, Node, available
+from protocol.transport import free_port
+from tests.conftest import REPO_ROOT
+from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
+
+OK, WHY = available()
+STEPS = 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny_model_dir):
+    c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu", "cpu2"), cpus=8)])
+    run = tmp_path / "run"
+    ports = [free_port() for _ in range(4)]
+    overrides = [
+        f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
+        "slurm.envhub_cpus=1", "slurm.wait_s=300",
+        'slurm.pools=[{name:cpu,count:1,constraint:cpu,cpus_per_task:1},'
+        '{name:cpu2,count:1,constraint:cpu2,cpus_per_task:1,overrides:["engine.max_batch=2"]}]',
+        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}", f"env.port={ports[3]}",
+        f"model.path={tiny_model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
+        "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", "learner.groups_per_step=2",
+        "learner.max_staleness=1", f"learner.steps={STEPS}", "learner.heartbeat_interval_s=1", "logger.tensorboard=false",
+        "logger.console_every_s=0", "actor.max_groups=2", "actor.request_timeout_s=10", "actor.reconnect_max_backoff_s=1",
+    ]
+    try:
+        c.start(90)
+        out = subprocess.run([sys.executable, "-m", "turnscale", "slurm", *overrides], env=c.env(), capture_output=True,
+                             text=True, timeout=120, cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "actors-cpu2.sbatch: job" in out.stdout
+        deadline = time.monotonic() + 480
+        while time.monotonic() < deadline and c.jobs():
+            time.sleep(1)
+        assert not c.jobs(), f"jobs still queued: {c.jobs()}\n{_logs(run)}"
+        metrics = read_jsonl(run / "learner" / "metrics.jsonl")
+        assert metrics and metrics[-1]["step"] == STEPS, _logs(run)
+        assert (run / "learner.addr").read_text().split()[1] == str(ports[0])
+        trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
+        pools = {t["actor_id"].split("-", 1)[0] for t in trajs if t["accepted"]}
+        assert pools == {"cpu", "cpu2"}, pools
+        assert any("pool/cpu/actors" in m for m in metrics) and any("pool/cpu2/actors" in m for m in metrics)
+        check_groups(trajs)
+        check_ledger(run / "learner")
+    except BaseException:
+        print(_logs(run))
+        print(c.tail("slurmctld", 40))
+        raise
+    finally:
+        c.close()
+        assert not c.stray_pids(), "a job process survived the teardown"
+
+
+def _logs(run: Path) -> str:
+    out = []
+    for p in sorted((run / "logs").glob("*.log")) if (run / "logs").exists() else []:
+        out.append(f"===== {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]))
+    return "\n".join(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_path, tiny_model_dir):
+    """The learner waits for groups with one actor: the controller asks ``SlurmBackend`` for a
+    second (``sbatch --array``), which registers; then the pool's maximum drops to one: the
+    least busy actor is drained (no lease after the drain, its groups trained) and its job
+    ends by itself.  The learner job is then cancelled (it checkpoints and exits); every
+    job ends; nothing was trained twice."""
+    from turnscale.control import Autoscaler, LearnerControl
+    from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
+    from turnscale.slurm import SlurmBackend
+
+    c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=8)])
+    run = tmp_path / "run"
+    ports = [free_port() for _ in range(4)]
+    overrides = [
+        f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
+        "slurm.envhub_cpus=1", "slurm.wait_s=300", "slurm.pools=[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
+        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}", f"env.port={ports[3]}",
+        f"model.path={tiny_model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
+        "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", "learner.groups_per_step=2",
+        "learner.max_staleness=1", "learner.steps=100000", "learner.heartbeat_interval_s=1", "logger.tensorboard=false",
+        "logger.console_every_s=0", "actor.max_groups=1", "actor.request_timeout_s=10", "actor.reconnect_max_backoff_s=1",
+    ]
+    control = None
+    try:
+        c.start(90)
+        out = subprocess.run([sys.executable, "-m", "turnscale", "slurm", *overrides], env=c.env(), capture_output=True,
+                             text=True, timeout=120, cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        learner_job = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("learner.sbatch"))
+        _wait(lambda: (run / "learner.addr").exists(), 120, "learner.addr")
+        control = LearnerControl("127.0.0.1", ports[0], timeout_s=30)
+        _wait(lambda: len(control.status().actors) == 1 and control.status().step >= 1, 240, "one actor and a step")
+
+        def sbatch(cmd):
+            return subprocess.run(list(cmd), env=c.env(), capture_output=True, text=True, check=True, timeout=60).stdout
+
+        backend = SlurmBackend(run, {"cpu": 1}, runner=sbatch)
+        policy = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=2),), window=2, up_idle=0.05,
+                               down_idle=0.0, ready_low=2.0, max_leases=1, min_leases=1)
+        auto = Autoscaler(control=control, controller=ScalingController(policy, wanted={"cpu": 1}), backend=backend)
+
+        def up() -> bool:
+            auto.tick()
+            return len([a for a in control.status().actors if not a.draining]) == 2
+
+        _wait(up, 240, "a second actor from sbatch --array", every_s=2.0)
+        assert backend.submitted["cpu"] == 2 and any(d.changed and d.wanted["cpu"] == 2 for d in auto.decisions)
+
+        # the pool's maximum drops to one: the least busy actor is drained and its job ends
+        shrink = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=1),), window=2, max_leases=1)
+        auto.controller = ScalingController(shrink, wanted={"cpu": 2})
+        d = auto.tick()
+        assert d is not None and d.wanted == {"cpu": 1}
+        drained = backend.drained[-1]
+        _wait(lambda: drained not in {a.actor_id for a in control.status().actors}, 180, f"{drained} leaving")
+        _wait(lambda: len(c.jobs()) == 3, 120,
+              "the drained actor's job ending")
+        step = control.status().step
+        _wait(lambda: control.status().step >= step + 1, 180, "a step after the drain")
+        c.run(["scancel", "--full", learner_job])
+        _wait(lambda: not c.jobs(), 240, "every job ending")
+        log = "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("learner-*.log"))
+        assert f"actor {drained} drained" in log
+        drain_at = log.index(f"actor {drained} (pool cpu) draining")
+        assert f"granted to actor {drained}" not in log[drain_at:], "a lease was granted to a drained actor"
+        check_groups(read_jsonl(run / "learner" / "trajectories.jsonl"))
+        check_ledger(run / "learner")
+    except BaseException:
+        print(_logs(run))
+        print(c.tail("slurmctld", 40))
+        raise
+    finally:
+        if control is not None:
+            control.close()
+        c.close()
+        assert not c.stray_pids(), "a job process survived the teardown"
+
+
+def _wait(cond, timeout_s: float, what: str, every_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)

@@ -1,0 +1,206 @@
+"""``turnscale slurm``: the generated sbatch scripts (read as text and checked by ``bash -n``),
+``--dry-run``, submission order, and ``SlurmBackend`` (with a recording runner instead of
+``sbatch``; the real Slurm is not on this machine)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import conf
+from turnscale import slurm
+
+POOLS = ('slurm.pools=[{name:cpu,count:2,constraint:cpu},'
+         '{name:ascend,count:1,constraint:ascend,gres:"npu:1",overrides:["engine.dtype=bfloat16","engine.device=npu"],'
+         'env:{ASCEND_RT_VISIBLE_DEVICES:"0"}}]')
+
+
+def render(tmp_path: Path, *extra: str) -> slurm.Scripts:
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", "slurm.python=/opt/ts/bin/python", "slurm.workdir=/src/ts",
+                 "slurm.partition=batch", "env=babyai", "learner.steps=7", *extra]
+    return slurm.render(conf.load(overrides), overrides)
+
+
+def test_one_learner_one_envhub_and_one_actor_array_per_pool(tmp_path):
+    s = render(tmp_path)
+    assert list(s.files) == ["learner.sbatch", "envhub.sbatch", "actors-cpu.sbatch", "actors-ascend.sbatch"]
+    cpu, asc = s.files["actors-cpu.sbatch"], s.files["actors-ascend.sbatch"]
+    assert "#SBATCH --array=0-1" in cpu and "#SBATCH --constraint=cpu" in cpu and "#SBATCH --partition=batch" in cpu
+    assert "#SBATCH --array=0-0" in asc and "#SBATCH --constraint=ascend" in asc and "#SBATCH --gres=npu:1" in asc
+    assert "export ASCEND_RT_VISIBLE_DEVICES=0" in asc and "ASCEND" not in cpu
+    assert "engine.dtype=bfloat16 engine.device=npu actor.pool=ascend" in asc
+    assert "engine.dtype" not in cpu and "actor.pool=cpu" in cpu
+    for text in s.files.values():  # the run's own overrides reach every job, slurm.* none
+        assert "learner.steps=7" in text and f"learner.dir={tmp_path}/run/learner" in text
+        assert "slurm.pools" not in text and "cd /src/ts" in text and "/opt/ts/bin/python -m turnscale" in text
+
+
+def test_learner_and_envhub_publish_their_address_atomically_and_actors_wait_for_it(tmp_path):
+    s = render(tmp_path)
+    run = f"{tmp_path}/run"
+    learner = s.files["learner.sbatch"]
+    assert f"> {run}/learner.addr.tmp.$$" in learner and f"mv -f {run}/learner.addr.tmp.$$ {run}/learner.addr" in learner
+    assert "learner.host=0.0.0.0" in learner
+    assert f"mv -f {run}/envhub.url.tmp.$$ {run}/envhub.url" in s.files["envhub.sbatch"]
+    cpu = s.files["actors-cpu.sbatch"]
+    assert f"read -r LEARNER_HOST LEARNER_PORT < {run}/learner.addr" in cpu and f"$(cat {run}/envhub.url)" in cpu
+    assert '"actor.actor_id=$ACTOR_ID"' in cpu and "ACTOR_ID=cpu-${SLURM_ARRAY_JOB_ID" in cpu
+
+
+def test_an_external_env_url_replaces_the_envhub_job(tmp_path):
+    s = render(tmp_path, "slurm.env_url=http://envs.example:36005")
+    assert "envhub.sbatch" not in s.files
+    assert "ENV_URL=http://envs.example:36005" in s.files["actors-cpu.sbatch"]
+    assert "envhub.url" not in s.files["actors-cpu.sbatch"]
+
+
+def test_every_generated_script_is_valid_bash(tmp_path):
+    for name, text in render(tmp_path).files.items():
+        p = tmp_path / name
+        p.write_text(text)
+        r = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, (name, r.stderr)
+
+
+def test_actor_script_starts_an_actor_with_the_published_address(tmp_path):
+    """Run the cpu actor script with bash, ``python`` replaced by ``echo``: the command line
+    it would exec carries the learner address and env URL read from the files."""
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", "slurm.python=echo", f"slurm.workdir={tmp_path}", "slurm.wait_s=5"]
+    s = slurm.render(conf.load(overrides), overrides)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/learner.addr").write_text("10.1.2.3 5555\n")
+    (tmp_path / "run/envhub.url").write_text("http://10.1.2.4:36001\n")
+    p = tmp_path / "a.sh"
+    p.write_text(s.files["actors-cpu.sbatch"])
+    r = subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30,
+                       env={"PATH": "/usr/bin:/bin", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "1"})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.split()
+    assert out[:3] == ["-m", "turnscale", "actor"]
+    assert {"actor.learner_host=10.1.2.3", "actor.learner_port=5555", "actor.env_url=http://10.1.2.4:36001",
+            "actor.actor_id=cpu-77_1", "actor.pool=cpu"} <= set(out)
+
+
+def test_actor_script_gives_up_with_a_clear_message_when_the_learner_never_starts(tmp_path):
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", "slurm.python=echo", f"slurm.workdir={tmp_path}", "slurm.wait_s=1"]
+    s = slurm.render(conf.load(overrides), overrides)
+    p = tmp_path / "a.sh"
+    p.write_text(s.files["actors-cpu.sbatch"])
+    r = subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1 and "learner.addr after 1s: is the learner/envhub job running?" in r.stderr
+
+
+def test_dry_run_prints_every_script_and_writes_nothing(tmp_path, capsys):
+    rc = slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", POOLS])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("# ===== ") == 4 and "#SBATCH --array=0-1" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_pool_config_is_a_clear_error(capsys):
+    assert slurm.main(["--dry-run", "slurm.pools=[{name:cpu},{name:cpu}]"]) == 2
+    assert "slurm.pools" in capsys.readouterr().err
+    with pytest.raises(conf.ConfigError, match=r"slurm.pools\[\].name"):
+        conf.load(["slurm.pools=[{name:'a b'}]"])
+
+
+def test_submit_runs_sbatch_in_order_and_backend_adds_array_tasks(tmp_path):
+    calls = []
+
+    def runner(cmd):
+        calls.append(list(cmd))
+        return f"{100 + len(calls)};cluster\n"
+
+    s = render(tmp_path)
+    folder = tmp_path / "run"
+    s.write(folder)
+    jobs = slurm.submit(folder, s, runner)
+    assert jobs == {"learner.sbatch": "101", "envhub.sbatch": "102", "actors-cpu.sbatch": "103", "actors-ascend.sbatch": "104"}
+    assert all(c[:2] == ["sbatch", "--parsable"] for c in calls)
+    calls.clear()
+    b = slurm.SlurmBackend(folder, {"cpu": 2, "ascend": 1}, runner=runner)
+    b.scale_to("cpu", 4)
+    assert calls[-1] == ["sbatch", "--parsable", "--array=2-3", str(folder / "actors-cpu.sbatch")]
+    b.scale_to("cpu", 3)  # fewer: never cancels (removal drains)
+    assert len(calls) == 1
+    b.drain("cpu-103_0")
+    b.scale_to("cpu", 4)
+    assert calls[-1][2] == "--array=4-4"
+    b.cancel("ascend-104_0")
+    assert calls[-1] == ["scancel", "104_0"]
+
+
+def test_envhub_job_ends_once_the_learner_job_has_finished(tmp_path):
+    """The learner job leaves ``learner.done`` behind whatever the learner's exit status;
+    the envhub job stops its server and ends when it appears (else it would hold its node
+    forever).  Both scripts run with ``python`` replaced by ``sleep``/``false``."""
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", f"slurm.workdir={tmp_path}"]
+    (tmp_path / "run").mkdir()
+    learner = slurm.render(conf.load([*overrides, "slurm.python=/bin/false"]), overrides).files["learner.sbatch"]
+    p = tmp_path / "l.sh"
+    p.write_text(learner)
+    r = subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1 and (tmp_path / "run/learner.done").exists()  # the learner's status, and the marker
+    (tmp_path / "run/learner.done").unlink()
+
+    fake = tmp_path / "fakepy"  # exits 0 on SIGTERM, as envhub does
+    fake.write_text(f"#!/bin/bash\ntrap 'exit 0' TERM\ntouch {tmp_path}/started\nwhile true; do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    envhub = slurm.render(conf.load([*overrides, f"slurm.python={fake}"]), overrides).files["envhub.sbatch"]
+    p = tmp_path / "e.sh"
+    p.write_text(envhub)
+    proc = subprocess.Popen(["bash", str(p)], env={"PATH": "/usr/bin:/bin"})
+    try:
+        _wait_for(tmp_path / "started", proc)
+        (tmp_path / "run/learner.done").touch()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_actor_job_stops_its_actor_when_the_learner_job_has_finished_and_forwards_sigterm(tmp_path):
+    """A cancelled learner does not tell actors the run is over (it may be resumed): the
+    actor job SIGTERMs its actor once ``learner.done`` appears; a SIGTERM to the job (scancel)
+    reaches the actor too.  The stand-in actor exits 0 on SIGTERM, as the real one does."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(f"#!/bin/bash\ntrap 'echo got-term; exit 0' TERM\ntouch {tmp_path}/started\n"
+                    "while true; do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", f"slurm.python={fake}", f"slurm.workdir={tmp_path}", "slurm.wait_s=5"]
+    script = slurm.render(conf.load(overrides), overrides).files["actors-cpu.sbatch"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/learner.addr").write_text("10.1.2.3 5555\n")
+    (tmp_path / "run/envhub.url").write_text("http://10.1.2.4:36001\n")
+    p = tmp_path / "a.sh"
+    p.write_text(script)
+    for how in ("done", "sigterm"):
+        (tmp_path / "run/learner.done").unlink(missing_ok=True)
+        (tmp_path / "started").unlink(missing_ok=True)
+        proc = subprocess.Popen(["bash", str(p)], env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True)
+        try:
+            _wait_for(tmp_path / "started", proc)
+            if how == "done":
+                (tmp_path / "run/learner.done").touch()
+            else:
+                proc.send_signal(15)
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0 and "got-term" in out, (how, proc.returncode, out)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _wait_for(marker: Path, proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Until the stand-in process has started (it touches ``marker``), the script still running."""
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        assert proc.poll() is None, "the script ended before its process started"
+        assert time.monotonic() < deadline, f"{marker.name} not written within {timeout_s:.0f}s"
+        time.sleep(0.05)
+    assert proc.poll() is None

@@ -1,0 +1,117 @@
+"""A scaling controller's line to the learner: ``ControlRequest`` -> ``LearnerStatus``.
+
+``LearnerControl`` is a small blocking client (one ZeroMQ DEALER to the learner's control
+port, one request at a time, a timeout per request); ``to_sample`` turns two successive
+``LearnerStatus`` replies into the controller's ``turnscale.scaling.Sample`` (rates over
+the interval between them).  ``Autoscaler.tick`` is one round of the loop: read the
+signals, decide, act through a ``ScalingBackend`` (drain the chosen actors through the
+learner, or ask the backend for more).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from protocol import codec
+from protocol.errors import PeerTimeout, RemoteError
+from protocol.messages import ControlRequest, ErrorReply, LearnerStatus
+from protocol.transport import configure, tcp_endpoint
+from turnscale.scaling import Decision, Sample, ScalingBackend, ScalingController, pick_drain
+
+log = logging.getLogger("turnscale.scaling")
+
+
+class LearnerControl:
+    """Blocking ``ControlRequest`` client (see the module docstring).  ``curve``: the
+    ``protocol.curve.CurveKeys`` of an authorized client when the learner requires CURVE."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = 10.0, curve: Any = None) -> None:
+        self._ctx = zmq.Context()
+        self._sock = configure(self._ctx.socket(zmq.DEALER), curve=curve)
+        self._sock.connect(tcp_endpoint(host, port))
+        self.timeout_s = timeout_s
+        self._rid = 0
+
+    def request(self, msg: ControlRequest) -> LearnerStatus:
+        """Raises ``PeerTimeout`` (no reply in time) or ``RemoteError`` (an ``ErrorReply``)."""
+        self._rid += 1
+        rid = self._rid.to_bytes(8, "little")
+        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
+            raise PeerTimeout(f"cannot send to the learner within {self.timeout_s:g}s")
+        self._sock.send_multipart([rid, *codec.encode(msg)])
+        while True:
+            if not self._sock.poll(int(self.timeout_s * 1000)):
+                raise PeerTimeout(f"no LearnerStatus within {self.timeout_s:g}s")
+            frames = self._sock.recv_multipart()
+            if frames and frames[0] == rid:
+                break
+        out = codec.decode(frames[1:], expect=(LearnerStatus, ErrorReply))
+        if isinstance(out, ErrorReply):
+            raise RemoteError(out.code, out.message, out.retryable)
+        return out
+
+    def status(self) -> LearnerStatus:
+        return self.request(ControlRequest())
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def to_sample(prev: LearnerStatus, cur: LearnerStatus) -> Sample:
+    """The signals over the interval between two replies (draining actors not counted)."""
+    dt = max(cur.uptime_s - prev.uptime_s, 1e-9)
+    received = cur.groups_received - prev.groups_received
+    trained = cur.groups_trained - prev.groups_trained
+    before = {a.actor_id: a.tokens_generated for a in prev.actors}
+    actors: dict[str, int] = {}
+    tokens: dict[str, float] = {}
+    for a in cur.actors:
+        tokens[a.pool] = tokens.get(a.pool, 0.0) + max(0.0, a.tokens_generated - before.get(a.actor_id, a.tokens_generated)) / dt
+        if not a.draining:
+            actors[a.pool] = actors.get(a.pool, 0) + 1
+    return Sample(
+        idle_fraction=min(1.0, max(0.0, (cur.idle_s - prev.idle_s) / dt)),
+        ready_groups=float(cur.ready_groups),
+        stale_drop_rate=(cur.groups_stale - prev.groups_stale) / received if received > 0 else 0.0,
+        policy_lag=(cur.staleness_sum - prev.staleness_sum) / trained if trained > 0 else 0.0,
+        lease_backlog=float(cur.live_leases), actors=actors, tokens_per_s=tokens)
+
+
+@dataclass
+class Autoscaler:
+    """One controller round per ``tick`` (the caller paces it: e.g. every 10 s)."""
+
+    control: LearnerControl
+    controller: ScalingController
+    backend: ScalingBackend
+    last: LearnerStatus | None = None
+    decisions: list[Decision] = field(default_factory=list)
+
+    def tick(self) -> Decision | None:
+        cur = self.control.status()
+        prev, self.last = self.last, cur
+        if prev is None:
+            return None
+        d = self.controller.observe(to_sample(prev, cur))
+        self.decisions.append(d)
+        if not d.changed:
+            return d
+        log.info("scaling: %s", d.reason)
+        if d.max_leases_per_actor != cur.max_leases_per_actor:
+            self.control.request(ControlRequest(max_leases_per_actor=d.max_leases_per_actor))
+        live = [(a.actor_id, a.pool, a.leases) for a in cur.actors if not a.draining]
+        for pool, want in d.wanted.items():
+            have = sum(1 for _, p, _ in live if p == pool)
+            if want < have:
+                ids = pick_drain(live, pool, have - want)
+                self.control.request(ControlRequest(drain=ids))
+                for aid in ids:
+                    self.backend.drain(aid)
+            elif want > have:
+                self.backend.scale_to(pool, want)
+        return d

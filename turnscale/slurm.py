@@ -1,0 +1,243 @@
+"""``turnscale slurm [--dry-run] [hydra overrides]``: a run on a Slurm cluster.
+
+Writes readable sbatch scripts into ``slurm.dir`` (storage every node sees) and submits
+them (``--dry-run``: prints them and submits nothing):
+
+- ``learner.sbatch``: the learner, bound to all interfaces; once started it publishes
+  its address as ``<dir>/learner.addr`` (``host port``, written to a temp file and renamed,
+  so a reader never sees half of it); when the learner exits the job writes
+  ``<dir>/learner.done``;
+- ``envhub.sbatch`` (unless ``slurm.env_url`` names an external env server): the env
+  server, publishing ``<dir>/envhub.url`` the same way; it stops the server and ends
+  once ``learner.done`` appears (the run is over: actors have been told ``Shutdown``);
+- ``actors-<pool>.sbatch``: one job array per pool (``slurm.pools``; ``--array=0-(count-1)``,
+  the pool's ``-C``/``-p``/``--gres``, its engine overrides and environment); each task
+  waits (at most ``slurm.wait_s``) for the address files, then runs ``turnscale actor``
+  with ``actor.pool=<pool>`` and ``actor.actor_id=<pool>-<array job>_<task>``, and stops
+  it (SIGTERM) once ``learner.done`` appears: a learner that was cancelled (it checkpoints
+  and may be resumed, so it does not tell actors the run is over) leaves no actor behind.
+
+Each script forwards the job's SIGTERM (``scancel``) to its process and waits for it.
+
+Every job gets the Hydra overrides given on the command line (minus ``slurm.*``), so
+``env=``, ``model=``, ``algo=`` ... are the same everywhere.  ``SlurmBackend`` is the
+``turnscale.scaling.ScalingBackend`` on Slurm: ``scale_to(pool, n)`` submits more array
+tasks of the pool's script (``sbatch --array=a-b``); ``drain(actor_id)`` needs nothing
+more than the learner's drain (the actor exits by itself and its array task ends), and
+``cancel(actor_id)`` is ``scancel <job>_<task>`` for an actor that must go now (SIGTERM:
+it stops within seconds, docs/ARCHITECTURE.md "Graceful stop").
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from conf.schema import Config, PoolConfig, SlurmConfig
+
+
+def _q(args: Iterable[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _sbatch_header(name: str, log: str, *, partition: str, account: str, time: str, cpus: int,
+                   constraint: str = "", gres: str = "", array: str = "") -> list[str]:
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --output={log}", "#SBATCH --ntasks=1",
+             f"#SBATCH --cpus-per-task={cpus}"]
+    for flag, value in (("--partition", partition), ("--account", account), ("--time", time),
+                        ("--constraint", constraint), ("--gres", gres), ("--array", array)):
+        if value:
+            lines.append(f"#SBATCH {flag}={value}")
+    return lines
+
+
+def _until_done(cmd: str, done: str) -> list[str]:
+    """Shell lines running ``cmd`` until it exits or ``done`` appears (then SIGTERM: a role
+    stops within seconds), forwarding the job's SIGTERM to it; the script exits with its status."""
+    return [f"{cmd} &", "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT",
+            f"while kill -0 $PID 2>/dev/null && [ ! -e {done} ]; do sleep 2; done",
+            "kill -TERM $PID 2>/dev/null || true",
+            *_reap()]
+
+
+def _reap() -> list[str]:
+    """Wait for ``$PID`` (again after a trapped signal interrupted ``wait``); exit with its status."""
+    return ["rc=0; wait $PID || rc=$?", "while kill -0 $PID 2>/dev/null; do rc=0; wait $PID || rc=$?; done", "exit $rc"]
+
+
+def _publish(path: str, value: str) -> list[str]:
+    """Shell lines writing ``value`` to ``path`` atomically (temp file + rename)."""
+    return [f'printf "%s\\n" {value} > {shlex.quote(path)}.tmp.$$', f"mv -f {shlex.quote(path)}.tmp.$$ {shlex.quote(path)}"]
+
+
+@dataclass(frozen=True)
+class Scripts:
+    """The generated scripts, by file name, in submission order."""
+
+    files: dict[str, str]
+
+    def write(self, folder: Path) -> list[Path]:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "logs").mkdir(exist_ok=True)
+        out = []
+        for name, text in self.files.items():
+            p = folder / name
+            p.write_text(text)
+            p.chmod(0o755)
+            out.append(p)
+        return out
+
+
+def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
+    """Every sbatch script of the run (pure: no file written, nothing submitted)."""
+    s: SlurmConfig = cfg.slurm
+    run = os.path.abspath(s.dir)
+    workdir = s.workdir or cwd or os.getcwd()
+    common = [o for o in overrides if not o.startswith(("slurm.", "slurm=", "+slurm"))]
+    common.append(f"learner.dir={run}/learner")
+    py = [s.python, "-m", "turnscale"]
+    files: dict[str, str] = {}
+    lc = cfg.learner
+
+    learner = _sbatch_header("ts-learner", f"{run}/logs/learner-%j.log", partition=s.partition, account=s.account,
+                             time=s.time, cpus=s.learner_cpus, constraint=s.learner_constraint, gres=s.learner_gres)
+    done = shlex.quote(f"{run}/learner.done")
+    learner += ["# turnscale learner: trains, leases work, publishes weights; its address goes to learner.addr",
+                "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
+                'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
+                *_publish(f"{run}/learner.addr", f'"$HOST {lc.port}"'),
+                f"{_q(py)} learner {_q(common)} learner.host=0.0.0.0 &",
+                "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT  # scancel: the learner checkpoints and exits",
+                *_reap()[:2],
+                f"touch {done}  # the run is over: the envhub job and the actors stop",
+                "exit $rc"]
+    files["learner.sbatch"] = "\n".join(learner) + "\n"
+
+    if not s.env_url:
+        env = _sbatch_header("ts-envhub", f"{run}/logs/envhub-%j.log", partition=s.partition, account=s.account,
+                             time=s.time, cpus=s.envhub_cpus)
+        env += ["# turnscale envhub: the env server the actors play on; its URL goes to envhub.url",
+                "set -euo pipefail", f"cd {shlex.quote(workdir)}",
+                'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
+                *_publish(f"{run}/envhub.url", f'"http://$HOST:{cfg.env.port}"'),
+                *_until_done(f"{_q(py)} envhub {_q(common)} host=0.0.0.0 port={cfg.env.port}", done)]
+        files["envhub.sbatch"] = "\n".join(env) + "\n"
+
+    for pool in s.pools:
+        files[f"actors-{pool.name}.sbatch"] = _actor_script(cfg, pool, run, workdir, py, common)
+    return Scripts(files)
+
+
+def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: list[str], common: list[str]) -> str:
+    s = cfg.slurm
+    array = f"0-{pool.count - 1}" if pool.count > 0 else ""
+    lines = _sbatch_header(f"ts-actors-{pool.name}", f"{run}/logs/actors-{pool.name}-%A_%a.log",
+                           partition=pool.partition or s.partition, account=s.account, time=s.time,
+                           cpus=pool.cpus_per_task, constraint=pool.constraint, gres=pool.gres, array=array)
+    lines += [f"# turnscale actors of pool {pool.name!r}: one actor per array task",
+              "set -euo pipefail", f"cd {shlex.quote(workdir)}"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(pool.env.items())]
+    need = [f"{run}/learner.addr"] + ([] if s.env_url else [f"{run}/envhub.url"])
+    lines += [f"for f in {_q(need)}; do",
+              f"  for _ in $(seq {s.wait_s}); do [ -s \"$f\" ] && break; sleep 1; done",
+              '  [ -s "$f" ] || { echo "no $f after ' + str(s.wait_s) + 's: is the learner/envhub job running?" >&2; exit 1; }',
+              "done",
+              f"read -r LEARNER_HOST LEARNER_PORT < {shlex.quote(run + '/learner.addr')}"]
+    env_url = shlex.quote(s.env_url) if s.env_url else f"$(cat {shlex.quote(run + '/envhub.url')})"
+    lines += [f"ENV_URL={env_url}",
+              f'ACTOR_ID={pool.name}-${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-0}}}}_${{SLURM_ARRAY_TASK_ID:-0}}',
+              *_until_done(f"{_q(py)} actor {_q(common)} {_q(pool.overrides)} actor.pool={pool.name} "
+                           '"actor.learner_host=$LEARNER_HOST" "actor.learner_port=$LEARNER_PORT" "actor.env_url=$ENV_URL" '
+                           '"actor.actor_id=$ACTOR_ID"', shlex.quote(f"{run}/learner.done"))]
+    return "\n".join(lines) + "\n"
+
+
+Runner = Callable[[Sequence[str]], str]
+
+
+def _run(cmd: Sequence[str]) -> str:
+    return subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def submit(folder: Path, scripts: Scripts, runner: Runner = _run) -> dict[str, str]:
+    """``sbatch --parsable`` every script in order; script name -> job id."""
+    out = {}
+    for name in scripts.files:
+        out[name] = runner(["sbatch", "--parsable", str(folder / name)]).strip().split(";")[0]
+    return out
+
+
+@dataclass
+class SlurmBackend:
+    """``ScalingBackend`` on Slurm (see the module docstring).  ``submitted``: array tasks
+    submitted so far per pool (the next task index)."""
+
+    folder: Path
+    pools: dict[str, int]
+    runner: Runner = _run
+    submitted: dict[str, int] = field(default_factory=dict)
+    drained: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for pool, n in self.pools.items():
+            self.submitted.setdefault(pool, n)
+
+    def scale_to(self, pool: str, n: int) -> None:
+        """Submit array tasks so that ``n`` actors of ``pool`` run (counting those running
+        now, ``self.pools``, which the caller keeps current); never cancels."""
+        have = self.pools.get(pool, 0)
+        if n <= have:
+            return
+        first = self.submitted.get(pool, 0)
+        last = first + (n - have) - 1
+        self.runner(["sbatch", "--parsable", f"--array={first}-{last}", str(self.folder / f"actors-{pool}.sbatch")])
+        self.submitted[pool] = last + 1
+        self.pools[pool] = n
+
+    def drain(self, actor_id: str) -> None:
+        """The learner drains it; the actor exits by itself and its array task ends."""
+        self.drained.append(actor_id)
+        pool = actor_id.split("-", 1)[0]
+        if self.pools.get(pool, 0) > 0:
+            self.pools[pool] -= 1
+
+    def cancel(self, actor_id: str) -> None:
+        """``scancel`` the array task of ``actor_id`` (``<pool>-<job>_<task>``): SIGTERM, then Slurm's KillWait."""
+        self.runner(["scancel", actor_id.split("-", 1)[1]])
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    import conf
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    dry = "--dry-run" in args
+    overrides = [a for a in args if a != "--dry-run"]
+    try:
+        cfg = conf.load(overrides)
+    except conf.ConfigError as exc:
+        print(f"turnscale slurm: {exc}", file=sys.stderr)
+        return 2
+    scripts = render(cfg, overrides)
+    if dry:
+        for name, text in scripts.files.items():
+            print(f"# ===== {cfg.slurm.dir}/{name}\n{text}")
+        return 0
+    folder = Path(cfg.slurm.dir)
+    for stale in ("learner.addr", "envhub.url", "learner.done"):  # a previous run's: actors must not find them
+        (folder / stale).unlink(missing_ok=True)
+    scripts.write(folder)
+    try:
+        jobs = submit(folder, scripts)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"turnscale slurm: sbatch failed ({exc}); the scripts are in {folder}/ to inspect and submit by hand",
+              file=sys.stderr)
+        return 1
+    for name, job in jobs.items():
+        print(f"{name}: job {job}")
+    print(f"learner address: {folder}/learner.addr (written when the learner job starts); logs: {folder}/logs/")
+    return 0
