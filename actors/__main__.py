@@ -1,3 +1,3 @@
-from actors.main import main
+from turnscale.actors.main import main
 
 raise SystemExit(main())

@@ -104,11 +104,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 import trio
 import zmq
 
-from actors.engine import EngineBroken, EngineError, WeightSwap
-from actors.envpool import EnvClientLike, EnvPool, PooledSession
-from conf.schema import ActorConfig
-from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError, TurnscaleError
-from protocol.messages import (
+from turnscale.actors.engine import EngineBroken, EngineError, WeightSwap
+from turnscale.actors.envpool import EnvClientLike, EnvPool, PooledSession
+from turnscale.conf.schema import ActorConfig
+from turnscale.protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError, TurnscaleError
+from turnscale.protocol.messages import (
     ErrorReply,
     Goodbye,
     GroupAck,
@@ -124,10 +124,10 @@ from protocol.messages import (
     WeightManifest,
     Welcome,
 )
-from protocol.transport import AsyncSocket, CurveKeys, Requester, configure, generate_curve_keys
+from turnscale.protocol.transport import AsyncSocket, CurveKeys, Requester, configure, generate_curve_keys
 
 if TYPE_CHECKING:
-    from common.curve import CurveSetup
+    from turnscale.common.curve import CurveSetup
 
 log = logging.getLogger("turnscale.actor")
 
@@ -712,12 +712,12 @@ class Actor:
             kw["on_chunk"] = lambda i: relay.mark(key, i)
         if policy.shm_path and self.cfg.weights_shm != "false" and "on_chunk" not in kw and "relays" not in kw:
             # same host: the tensors view the learner's segment, held until released below
-            from protocol.shmweights import SegmentRef
+            from turnscale.protocol.shmweights import SegmentRef
 
             kw["shm"] = SegmentRef(path=policy.shm_path, token=policy.shm_token)
         report = None
         if kw:
-            from actors.weight_sync import PullReport
+            from turnscale.actors.weight_sync import PullReport
 
             kw["report"] = report = PullReport()
         try:
@@ -780,7 +780,7 @@ class Actor:
 
     async def _verify(self, engine: EngineLike, tensors: Any, manifest: WeightManifest) -> None:
         """Checksum the engine's weights against the pulled bytes (engines that can read them back)."""
-        from actors.engine import tensor_digest
+        from turnscale.actors.engine import tensor_digest
 
         digest = getattr(engine, "weights_digest", None)
         if digest is None:

@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from protocol.errors import TurnscaleError
-from protocol.messages import SamplingParams
+from turnscale.protocol.errors import TurnscaleError
+from turnscale.protocol.messages import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from conf.schema import EngineConfig
+    from turnscale.conf.schema import EngineConfig
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -201,14 +201,14 @@ class Engine(Protocol):
 
 def tensor_digest(tensors: Mapping[str, Any], dtype: str, algo: str) -> dict[str, int]:
     """``algo`` checksum of each tensor's bytes as ``dtype`` (torch tensors or numpy arrays)."""
-    from protocol import checksums
+    from turnscale.protocol import checksums
 
     out = {}
     for name, t in tensors.items():
         if hasattr(t, "detach"):  # torch: cast, then view the bytes (bf16 has no numpy dtype)
             import torch
 
-            from protocol.dtypes import torch_dtype
+            from turnscale.protocol.dtypes import torch_dtype
 
             t = t.detach().to("cpu", torch_dtype(dtype)) if t.is_floating_point() else t.detach().cpu()
             data = t.contiguous().view(torch.uint8).numpy()

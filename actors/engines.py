@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from actors.engine import Engine, EngineError
+from turnscale.actors.engine import Engine, EngineError
 
 if TYPE_CHECKING:
-    from conf.schema import EngineConfig
+    from turnscale.conf.schema import EngineConfig
 
 
 def make_engine(cfg: "EngineConfig", model_path: str, tokenizer: Any = None, *, version: int = 0) -> Engine:
@@ -21,15 +21,15 @@ def make_engine(cfg: "EngineConfig", model_path: str, tokenizer: Any = None, *, 
     ``tokenizer`` is needed only by ``sim`` (loaded from ``model_path`` when None).
     """
     if cfg.name == "hf":
-        from actors.hf_engine import HFEngine
+        from turnscale.actors.hf_engine import HFEngine
 
         return HFEngine(cfg, model_path, version=version)
     if cfg.name == "vllm":
-        from actors.vllm_engine import VLLMEngine
+        from turnscale.actors.vllm_engine import VLLMEngine
 
         return VLLMEngine(cfg, model_path, version=version)
     if cfg.name == "sim":
-        from actors.sim_engine import SimEngine
+        from turnscale.actors.sim_engine import SimEngine
 
         if tokenizer is None:
             from transformers import AutoTokenizer

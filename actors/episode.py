@@ -37,11 +37,11 @@ from typing import Awaitable, Callable, Protocol
 
 import numpy as np
 
-from actors.engine import Engine, EngineError, GenerateRequest
-from common.parsing import ActionParser
-from common.prompts import initial_messages
-from common.renderer import Renderer, RenderError
-from protocol.messages import Episode, Lease, SamplingParams, Task, TrajectoryGroup, Turn
+from turnscale.actors.engine import Engine, EngineError, GenerateRequest
+from turnscale.common.parsing import ActionParser
+from turnscale.common.prompts import initial_messages
+from turnscale.common.renderer import Renderer, RenderError
+from turnscale.protocol.messages import Episode, Lease, SamplingParams, Task, TrajectoryGroup, Turn
 
 
 class EnvSession(Protocol):

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from actors.engine import (
+from turnscale.actors.engine import (
     FINISH_ABORTED,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -40,8 +40,8 @@ from actors.engine import (
     Pending,
     ThreadedEngine,
 )
-from common.logprobs import scaled_log_softmax
-from protocol.dtypes import float_torch_dtype
+from turnscale.common.logprobs import scaled_log_softmax
+from turnscale.protocol.dtypes import float_torch_dtype
 
 
 def sample_tokens(
@@ -275,7 +275,7 @@ class HFEngine(ThreadedEngine):
         """Checksums of the model's parameters as the transfer dtype (a lossless round trip
         for weights that came in as that dtype), read without stopping the decoding thread
         (only a swap writes them, and the caller does not start one meanwhile)."""
-        from actors.engine import tensor_digest
+        from turnscale.actors.engine import tensor_digest
 
         state = self.model.state_dict()
         return tensor_digest({n: state[n] for n in names if n in state}, dtype, algo)

@@ -1,4 +1,4 @@
-"""``turnscale actor [hydra overrides]`` / ``python -m actors``: one actor process.
+"""``turnscale actor [hydra overrides]`` / ``python -m turnscale.actors``: one actor process.
 
 ``build_actor(cfg)`` wires the real parts into ``actors.actor.Actor`` (the loop takes them
 as ``ActorDeps``), phase by phase:
@@ -28,20 +28,20 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from conf.schema import ActorConfig, Config, EngineConfig
+from turnscale.conf.schema import ActorConfig, Config, EngineConfig
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from actors.actor import Actor, Runtime
-    from actors.engine import Engine
-    from actors.envpool import EnvClientLike, PooledSession
-    from actors.weight_sync import ReceiveBuffer
-    from common.curve import CurveSetup
-    from common.renderer import Renderer
-    from protocol.messages import Lease, SamplingParams, TrajectoryGroup, WeightManifest, Welcome
-    from protocol.transport import AsyncSocket
+    from turnscale.actors.actor import Actor, Runtime
+    from turnscale.actors.engine import Engine
+    from turnscale.actors.envpool import EnvClientLike, PooledSession
+    from turnscale.actors.weight_sync import ReceiveBuffer
+    from turnscale.common.curve import CurveSetup
+    from turnscale.common.renderer import Renderer
+    from turnscale.protocol.messages import Lease, SamplingParams, TrajectoryGroup, WeightManifest, Welcome
+    from turnscale.protocol.transport import AsyncSocket
 
 log = logging.getLogger("turnscale.actor")
 
@@ -60,9 +60,9 @@ class GroupPlayer:
 
     async def play(self, lease: Lease, sessions: list[PooledSession]) -> TrajectoryGroup:
         """The actor's ``Runtime.play_group``: the parser and prompt are the lease's env's."""
-        from actors.episode import run_group
-        from common.parsing import parser_for
-        from common.prompts import instruction
+        from turnscale.actors.episode import run_group
+        from turnscale.common.parsing import parser_for
+        from turnscale.common.prompts import instruction
 
         return await run_group(
             engine=self.engine, renderer=self.renderer, sessions=sessions.__getitem__, lease=lease, actor_id=self.actor_id,
@@ -82,8 +82,8 @@ class RuntimeBuilder:
     async def __call__(self, welcome: Welcome) -> Runtime:
         import trio
 
-        from actors.actor import Runtime
-        from common.renderer import Renderer
+        from turnscale.actors.actor import Runtime
+        from turnscale.common.renderer import Renderer
 
         engine, tokenizer = await trio.to_thread.run_sync(self._load, welcome.model_path)
         renderer = Renderer.for_tokenizer(tokenizer, welcome.renderer)
@@ -94,7 +94,7 @@ class RuntimeBuilder:
         """The engine and the tokenizer of ``model_path`` (in a worker thread: this loads weights)."""
         from transformers import AutoTokenizer
 
-        from actors.engines import make_engine
+        from turnscale.actors.engines import make_engine
 
         tok = AutoTokenizer.from_pretrained(model_path)
         return make_engine(self.engine_cfg, model_path, tok), tok
@@ -102,7 +102,7 @@ class RuntimeBuilder:
 
 def env_client(url: str, flavor: str) -> EnvClientLike:
     """``ActorDeps.make_env_client``: an envhub client speaking ``flavor``."""
-    from common.envclient import EnvClient
+    from turnscale.common.envclient import EnvClient
 
     return EnvClient(url, flavor=flavor)
 
@@ -110,7 +110,7 @@ def env_client(url: str, flavor: str) -> EnvClientLike:
 def batching_env_client(url: str, flavor: str) -> EnvClientLike:
     """``env_client`` that coalesces concurrent steps into ``/v1/step_batch`` on envhub servers
     (``actor.env_batch_steps``); other flavors have no such route and step one at a time."""
-    from common.envclient import EnvClient
+    from turnscale.common.envclient import EnvClient
 
     return EnvClient(url, flavor=flavor, batch_steps=flavor == "turnscale")
 
@@ -119,7 +119,7 @@ async def pull_into(sock: AsyncSocket, manifest: WeightManifest, timeout_s: floa
                     buffer: ReceiveBuffer | None, **relay: Any) -> dict[str, torch.Tensor]:
     """``ActorDeps.pull``: every chunk of ``manifest`` over ``sock`` into ``buffer``
     (``relay``: ``relays``, ``on_chunk``, ``report`` of ``pull_weights``)."""
-    from actors.weight_sync import pull_weights
+    from turnscale.actors.weight_sync import pull_weights
 
     return await pull_weights(sock, manifest, timeout_s=timeout_s, buffer=buffer, **relay)
 
@@ -155,8 +155,8 @@ def start_relay(cfg: ActorConfig, curve: CurveSetup | None = None) -> Any:
     host = relay_address(cfg)
     if not host:
         return None
-    from actors.relay import RelayServer
-    from protocol.transport import tcp_endpoint
+    from turnscale.actors.relay import RelayServer
+    from turnscale.protocol.transport import tcp_endpoint
 
     return RelayServer(tcp_endpoint(host, cfg.relay_port), curve=curve.server() if curve is not None else None,
                        corrupt=os.environ.get("TURNSCALE_TEST_RELAY_CORRUPT") == "1")
@@ -164,7 +164,7 @@ def start_relay(cfg: ActorConfig, curve: CurveSetup | None = None) -> Any:
 
 def new_receive_buffer() -> ReceiveBuffer:
     """``ActorDeps.new_buffer``: one reusable receive buffer for ``pull_into``."""
-    from actors.weight_sync import ReceiveBuffer
+    from turnscale.actors.weight_sync import ReceiveBuffer
 
     return ReceiveBuffer()
 
@@ -172,8 +172,8 @@ def new_receive_buffer() -> ReceiveBuffer:
 def build_actor(cfg: Config) -> Actor:
     """The actor process's ``Actor`` with the real parts (see the module docstring).
     Raises ``common.curve.CurveConfigError`` when CURVE is on and a key file is wrong."""
-    from actors.actor import Actor, ActorDeps, default_actor_id
-    from common.curve import actor_curve
+    from turnscale.actors.actor import Actor, ActorDeps, default_actor_id
+    from turnscale.common.curve import actor_curve
 
     curve = actor_curve(cfg.actor)
 
@@ -199,14 +199,13 @@ def build_actor(cfg: Config) -> Actor:
 def main(argv: Iterable[str] | None = None) -> int:
     import trio
 
-    import conf
-
+    from turnscale import conf
     try:
         cfg = conf.load(list(sys.argv[1:] if argv is None else argv))
     except conf.ConfigError as exc:
         print(f"turnscale actor: {exc}", file=sys.stderr)
         return 2
-    from common.procs import setup_process
+    from turnscale.common.procs import setup_process
 
     setup_process()
     try:

@@ -42,11 +42,11 @@ from typing import Any, Hashable
 import numpy as np
 import zmq
 
-from protocol import codec
-from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.curve import AllowedKeys, ZapAuthenticator
-from protocol.router import read_request, serve_router
-from protocol.transport import CurveKeys, SocketLimits, configure
+from turnscale.protocol import codec
+from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from turnscale.protocol.curve import AllowedKeys, ZapAuthenticator
+from turnscale.protocol.router import read_request, serve_router
+from turnscale.protocol.transport import CurveKeys, SocketLimits, configure
 
 log = logging.getLogger(__name__)
 

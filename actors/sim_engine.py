@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from actors.engine import FINISH_LENGTH, FINISH_STOP, GenerateResult, Pending, ThreadedEngine
+from turnscale.actors.engine import FINISH_LENGTH, FINISH_STOP, GenerateResult, Pending, ThreadedEngine
 
 SIM_LOGPROB = -0.7
 

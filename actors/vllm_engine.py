@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from actors.engine import (
+from turnscale.actors.engine import (
     FINISH_ABORTED,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -70,9 +70,9 @@ from actors.engine import (
     Pending,
     ThreadedEngine,
 )
-from actors.vllm_state import StateStore, check_full_state, checkpoint_files, expected_shapes
-from actors.vllm_worker import EXTENSION
-from protocol.messages import SamplingParams
+from turnscale.actors.vllm_state import StateStore, check_full_state, checkpoint_files, expected_shapes
+from turnscale.actors.vllm_worker import EXTENSION
+from turnscale.protocol.messages import SamplingParams
 
 LOGPROBS_MODE = "processed_logprobs"
 

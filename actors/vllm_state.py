@@ -27,7 +27,7 @@ import struct
 import tempfile
 from typing import Any, Iterator, Mapping, Sequence
 
-from actors.engine import EngineError
+from turnscale.actors.engine import EngineError
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-EXTENSION = "actors.vllm_worker.TurnscaleWorkerExtension"
+EXTENSION = "turnscale.actors.vllm_worker.TurnscaleWorkerExtension"
 
 
 class TurnscaleWorkerExtension:
@@ -29,7 +29,7 @@ class TurnscaleWorkerExtension:
         (``_leave_reload_mode``; otherwise no later reload can work), then the exception
         propagates and the engine loads its restore source.
         """
-        from actors.vllm_state import iter_state
+        from turnscale.actors.vllm_state import iter_state
 
         count = 0
 

@@ -64,12 +64,12 @@ import numpy as np
 import trio
 import zmq
 
-from protocol import checksums, codec
-from protocol import weights as weights_protocol
-from protocol.errors import ProtocolError, RemoteError, TurnscaleError
-from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.shmweights import Hold, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
-from protocol.transport import AsyncSocket
+from turnscale.protocol import checksums, codec
+from turnscale.protocol import weights as weights_protocol
+from turnscale.protocol.errors import ProtocolError, RemoteError, TurnscaleError
+from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from turnscale.protocol.shmweights import Hold, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
+from turnscale.protocol.transport import AsyncSocket
 
 if TYPE_CHECKING:
     import torch
@@ -482,7 +482,7 @@ def pull_weights_blocking(endpoint: str, manifest: WeightManifest, *, timeout_s:
                           context: zmq.Context | None = None, shm: SegmentRef | None = None,
                           report: PullReport | None = None) -> dict[str, torch.Tensor]:
     """``pull_weights`` for thread code: its own DEALER to ``endpoint``, its own trio run."""
-    from protocol.transport import configure
+    from turnscale.protocol.transport import configure
 
     ctx = context or zmq.Context.instance()
     raw = configure(ctx.socket(zmq.DEALER))

@@ -30,7 +30,7 @@ import argparse
 import os
 import time
 
-from benchmarks.common import Result, result
+from turnscale.benchmarks.common import Result, result
 
 
 def add_arguments(parser: argparse._ArgumentGroup) -> None:
@@ -93,9 +93,9 @@ def episode_chains(recorded) -> list[list]:
 
 
 def corpus():
-    from common.parsing import ACTION_LINE_HINT, BACKTICKS_HINT, TAGS_HINT
-    from conf.envs import ENVS
-    from actors.sim_engine import RESPONSES
+    from turnscale.common.parsing import ACTION_LINE_HINT, BACKTICKS_HINT, TAGS_HINT
+    from turnscale.conf.envs import ENVS
+    from turnscale.actors.sim_engine import RESPONSES
 
     import random
 
@@ -111,14 +111,14 @@ def run(args: argparse.Namespace) -> list[Result]:
     import trio
     from transformers import AutoTokenizer
 
-    from actors.engines import make_engine
-    from actors.episode import run_group
-    from common.parsing import parse_action_line
-    from common.prompts import instruction
-    from common.renderer import Renderer
-    from conf.schema import EngineConfig, ModelConfig
-    from protocol.messages import Lease, SamplingParams, Task
-    from common.tinymodel import ensure_model
+    from turnscale.actors.engines import make_engine
+    from turnscale.actors.episode import run_group
+    from turnscale.common.parsing import parse_action_line
+    from turnscale.common.prompts import instruction
+    from turnscale.common.renderer import Renderer
+    from turnscale.conf.schema import EngineConfig, ModelConfig
+    from turnscale.protocol.messages import Lease, SamplingParams, Task
+    from turnscale.common.tinymodel import ensure_model
 
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -129,8 +129,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     if getattr(args, "overrides", None):
         import dataclasses
 
-        import conf
-
+        from turnscale import conf
         engine_cfg = dataclasses.replace(conf.load(args.overrides).engine, max_batch=args.actor_batch)
     engine = make_engine(engine_cfg, path)
     vllm = engine_cfg.name == "vllm"
@@ -214,7 +213,7 @@ def bare_vllm(engine, chains, batch: int) -> int:
     """Replay per-episode request chains straight through vLLM (``engine.core``) from this
     thread: up to ``batch`` chains at once, each turn added when the previous one finished.
     The engine must be idle (its thread then never touches vLLM).  Returns tokens generated."""
-    from actors.vllm_engine import sampling_kwargs
+    from turnscale.actors.vllm_engine import sampling_kwargs
 
     api, core = engine.api, engine.core
     queue = list(reversed(chains))
@@ -248,7 +247,7 @@ def swap_times(engine, model_path: str, n: int) -> list[tuple[float, float]]:
     new version, seconds to copy the same tensors in memory)."""
     import torch
 
-    from actors.vllm_state import checkpoint_files, iter_state
+    from turnscale.actors.vllm_state import checkpoint_files, iter_state
 
     state = {k: v.clone() for k, v in iter_state(checkpoint_files(model_path))}
     out = []

@@ -45,10 +45,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from benchmarks.common import Result, result
-from protocol.transport import free_port
-from benchmarks.e2e_stats import RunStats, load_run, read_jsonl
-from benchmarks.makespan import ideal_speedup, lockstep_makespan, work_conserving_makespan
+from turnscale.benchmarks.common import Result, result
+from turnscale.protocol.transport import free_port
+from turnscale.benchmarks.e2e_stats import RunStats, load_run, read_jsonl
+from turnscale.benchmarks.makespan import ideal_speedup, lockstep_makespan, work_conserving_makespan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,9 +136,9 @@ def actor_args(spec: RunSpec, learner_port: int, index: int) -> list[str]:
 def prepare_model() -> str:
     """Build (once, cached) the benchmark's tiny model as the learner would, and return its
     folder, so every learner of the suite loads it instead of rebuilding the corpus."""
-    import conf
-    from envhub.corpus import play_texts
-    from learner.main import resolve_model_path
+    from turnscale import conf
+    from turnscale.envhub.corpus import play_texts
+    from turnscale.learner.main import resolve_model_path
 
     return resolve_model_path(conf.load(["env=babyai", *BENCH_MODEL]), play=play_texts)
 
@@ -159,7 +159,7 @@ class Cluster:
     Every child is started here and ended by pid on exit (actors, learner, envhub)."""
 
     def __init__(self, spec: RunSpec, workload: Workload, run_dir: Path, model_path: str = "") -> None:
-        from common.procs import ProcessGroup
+        from turnscale.common.procs import ProcessGroup
 
         self.spec, self.workload, self.run_dir, self.model_path = spec, workload, run_dir, model_path
         self.learner_dir = run_dir / "learner"
@@ -168,7 +168,7 @@ class Cluster:
         self.actors: list[Any] = []
 
     def __enter__(self) -> "Cluster":
-        from common.procs import wait_http_ok
+        from turnscale.common.procs import wait_http_ok
 
         fresh_run_dir(self.run_dir)
         try:
@@ -191,7 +191,7 @@ class Cluster:
 
     def check(self, deadline: float, what: str) -> None:
         """Raise ``ChildFailed`` past ``deadline`` or when a child died with an error."""
-        from common.procs import ChildFailed
+        from turnscale.common.procs import ChildFailed
 
         if time.monotonic() > deadline:
             raise ChildFailed(f"{self.spec.name}: timed out waiting for {what}:\n{self.learner.tail()}")
@@ -210,7 +210,7 @@ class Cluster:
 def run_one(spec: RunSpec, workload: Workload, root: Path, timeout_s: float, model_path: str = "") -> RunStats:
     """Start envhub, learner and ``spec.actors`` actors; wait for the learner to finish its
     steps (bounded by ``timeout_s``); end every child by pid; read the learner's files."""
-    from common.procs import ChildFailed
+    from turnscale.common.procs import ChildFailed
 
     deadline = time.monotonic() + timeout_s
     with Cluster(spec, workload, root / spec.name, model_path) as c:
@@ -266,7 +266,7 @@ def run_scaling(spec: RunSpec, counts: Sequence[int], workload: Workload, root: 
     many actors registered after one warm-up step and ``settle_s`` seconds (new actors
     start up meanwhile; steps come in bursts when several groups are buffered).  Actors may join at any time, so this
     measures the same thing as separate runs without paying the start-up per count."""
-    from benchmarks import cpuprobe
+    from turnscale.benchmarks import cpuprobe
 
     phases: list[Phase] = []
     deadline = time.monotonic() + timeout_s
@@ -417,7 +417,7 @@ def run(args) -> list[Result]:
         part's figures are left out, so the rest of the suite still runs."""
         if name not in parts:
             return
-        from common.procs import ChildFailed
+        from turnscale.common.procs import ChildFailed
 
         try:
             fn()

@@ -22,7 +22,7 @@ import argparse
 import threading
 import time
 
-from benchmarks.common import Result, result
+from turnscale.benchmarks.common import Result, result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _textcraft() -> list[Result]:
-    from envhub.textcraft import TextCraftEnv, RecipeBook, solve
+    from turnscale.envhub.textcraft import TextCraftEnv, RecipeBook, solve
 
     book = RecipeBook()
     env = TextCraftEnv(book)
@@ -50,8 +50,8 @@ def _textcraft() -> list[Result]:
 
 
 def _bm25() -> list[Result]:
-    from conf.schema import EnvConfig
-    from envhub.searchqa import make_family
+    from turnscale.conf.schema import EnvConfig
+    from turnscale.envhub.searchqa import make_family
 
     fam = make_family(EnvConfig(name="searchqa"))
     qs = [it.question for it in fam.items]
@@ -66,7 +66,7 @@ def _bm25() -> list[Result]:
 
 
 def _sciworld(pool: int, episodes: int) -> list[Result]:
-    from envhub.sciworld import SciWorldFamily
+    from turnscale.envhub.sciworld import SciWorldFamily
 
     fam = SciWorldFamily(jvm_pool=pool)
     try:
@@ -133,8 +133,8 @@ def _web(instances: int, tasks: int) -> list[Result]:
     if not os.path.exists("/usr/bin/chromium"):
         print("envgames: /usr/bin/chromium missing; web entry skipped (scripts/setup.sh installs it as root)")
         return []
-    from envhub.web import WebFamily
-    from envhub.web_tasks import TASKS_PER_SEED
+    from turnscale.envhub.web import WebFamily
+    from turnscale.envhub.web_tasks import TASKS_PER_SEED
 
     fam = WebFamily()
     try:

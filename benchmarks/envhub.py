@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import Result, result
+from turnscale.benchmarks.common import Result, result
 
 ACTIONS = ("turn left", "move forward", "turn right", "move forward", "check available actions")
 
@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
 
 def _inprocess_babyai(seconds: float, tasks: int) -> tuple[float, float]:
     """(steps per wall second, steps per CPU second) of ``tasks`` instances stepped in one loop."""
-    from envhub.babyai import BabyAIFamily
+    from turnscale.envhub.babyai import BabyAIFamily
 
     family = BabyAIFamily()  # the server's default text
     envs = [family.create() for _ in range(tasks)]
@@ -75,7 +75,7 @@ def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnsca
     figure is None for servers other than ours (flavor != turnscale: no ``/metrics``)."""
     import trio
 
-    from common.envclient import EnvClient
+    from turnscale.common.envclient import EnvClient
 
     ours = flavor == "turnscale"
 
@@ -118,7 +118,7 @@ def _http_babyai(url: str, seconds: float, episodes: int, flavor: str = "turnsca
 def _client_req_s(url: str, seconds: float, concurrency: int) -> float:
     import trio
 
-    from common.envclient import EnvClient
+    from turnscale.common.envclient import EnvClient
 
     async def main() -> float:
         async with EnvClient(url, max_connections=concurrency) as client:
@@ -201,7 +201,7 @@ def load_generator(host: str, port: int, seconds: float, conns: int) -> float:
 
 def _server_capacity(url: str, seconds: float, conns: int) -> float:
     host, port = url.split("//")[1].split(":")
-    cmd = [sys.executable, "-m", "benchmarks.envhub", "--load", host, port, str(seconds), str(conns)]
+    cmd = [sys.executable, "-m", "turnscale.benchmarks.envhub", "--load", host, port, str(seconds), str(conns)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, env={**os.environ})
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")
@@ -209,16 +209,15 @@ def _server_capacity(url: str, seconds: float, conns: int) -> float:
 
 
 def _sciworld(seconds: float) -> list[Result]:
-    if importlib.util.find_spec("envhub.sciworld") is None:
+    if importlib.util.find_spec("turnscale.envhub.sciworld") is None:
         return []
     import trio
 
-    from common.envclient import EnvClient
-    from benchmarks.envhub_launch import envhub_server
-    from envhub.registry import make_family
+    from turnscale.common.envclient import EnvClient
+    from turnscale.benchmarks.envhub_launch import envhub_server
+    from turnscale.envhub.registry import make_family
 
-    import conf
-
+    from turnscale import conf
     family = make_family(conf.load(["env=sciworld"]).env)
     env = family.create()
     env.reset(0)
@@ -255,7 +254,7 @@ def _sciworld(seconds: float) -> list[Result]:
 
 
 def run(args: argparse.Namespace) -> list[Result]:
-    from benchmarks.envhub_launch import envhub_server
+    from turnscale.benchmarks.envhub_launch import envhub_server
 
     seconds = getattr(args, "envhub_seconds", 4.0)
     episodes = getattr(args, "envhub_episodes", 64)
@@ -286,4 +285,4 @@ if __name__ == "__main__":
         rate = load_generator(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
         print(json.dumps({"req_s": rate}))
     else:
-        raise SystemExit("usage: python -m benchmarks.envhub --load HOST PORT SECONDS CONNS (use `turnscale bench envhub`)")
+        raise SystemExit("usage: python -m turnscale.benchmarks.envhub --load HOST PORT SECONDS CONNS (use `turnscale bench envhub`)")

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from typing import Iterator
 
-from protocol.transport import free_port  # re-exported: tests and the probe import it from here
+from turnscale.protocol.transport import free_port  # re-exported: tests and the probe import it from here
 
 __all__ = ["envhub_server", "free_port", "stop", "wait_healthy"]
 

@@ -13,7 +13,7 @@ baseline in the same run.
 import os, socket, subprocess, sys, threading, time, json, http.client
 repo = sys.argv[1]
 sys.path.insert(0, repo)
-from benchmarks.envhub_launch import free_port, wait_healthy, stop
+from turnscale.benchmarks.envhub_launch import free_port, wait_healthy, stop
 port = free_port()
 proc = subprocess.Popen([sys.executable, "-m", "turnscale", "envhub", "env=babyai", "host=127.0.0.1", f"port={port}"], cwd=repo,
                         env={**os.environ, "PYTHONPATH": repo}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -7,7 +7,7 @@ pipelining through ``actors/relay.py``), N = 1, 2, 4, 8, 16.
 
 What runs: the learner host runs the real ``WeightPublisher`` (one float32 tensor of
 ``--fanout-mb``, chunks of ``--fanout-chunk-kb``); each other host runs a *pull-only
-client* (``python -m benchmarks.fanout puller``): the actor's real ``pull_stream`` (the
+client* (``python -m turnscale.benchmarks.fanout puller``): the actor's real ``pull_stream`` (the
 checked puller of ``actors/weight_sync.py``) into two alternating ``ReceiveBuffer``s, and
 in relay mode the actor's real ``RelayServer`` fed by ``on_chunk``, exactly as
 ``actors/actor.py`` wires them.  Not the full actor (engine, env pool, leases): sixteen of
@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import Result, result
+from turnscale.benchmarks.common import Result, result
 
 LEARNER_PORT = 5700
 RELAY_PORT = 5701
@@ -80,7 +80,7 @@ def _wait_file(path: str, timeout_s: float, poll_s: float = 0.002) -> dict:
 def _encode_manifest(m: Any) -> list[str]:
     import base64
 
-    from protocol import codec
+    from turnscale.protocol import codec
 
     return [base64.b64encode(bytes(f)).decode() for f in codec.encode(m)]
 
@@ -88,8 +88,8 @@ def _encode_manifest(m: Any) -> list[str]:
 def _decode_manifest(frames: list[str]) -> Any:
     import base64
 
-    from protocol import codec
-    from protocol.messages import WeightManifest
+    from turnscale.protocol import codec
+    from turnscale.protocol.messages import WeightManifest
 
     return codec.decode([base64.b64decode(f) for f in frames], expect=WeightManifest)
 
@@ -99,7 +99,7 @@ def _decode_manifest(frames: list[str]) -> Any:
 def publisher(a: argparse.Namespace) -> int:
     import torch
 
-    from learner.weights import WeightPublisher
+    from turnscale.learner.weights import WeightPublisher
 
     torch.set_num_threads(1)
     n_floats = int(a.mb * 1e6) // 4
@@ -131,12 +131,12 @@ def puller(a: argparse.Namespace) -> int:
         sys.setswitchinterval(a.switch_ms / 1000)
     import zmq
 
-    from actors.weight_sync import PullReport, ReceiveBuffer, pull_stream
-    from protocol.transport import AsyncSocket, configure
+    from turnscale.actors.weight_sync import PullReport, ReceiveBuffer, pull_stream
+    from turnscale.protocol.transport import AsyncSocket, configure
 
     relay = None
     if a.relay_bind:
-        from actors.relay import RelayServer
+        from turnscale.actors.relay import RelayServer
 
         relay = RelayServer(a.relay_bind, curve=None)
     bufs = [ReceiveBuffer(), ReceiveBuffer()]
@@ -181,11 +181,11 @@ def puller(a: argparse.Namespace) -> int:
 def measure(c: Any, n: int, k: int | None, a: argparse.Namespace, log_dir: str) -> dict:
     """One configuration: a publisher on host L and n pullers; k None is the star.  Returns
     median time (s) over the rounds after the first, egress per version (copies), details."""
-    from learner import relaytree
+    from turnscale.learner import relaytree
 
     d = tempfile.mkdtemp(prefix=f"fanout-n{n}-k{k}-", dir=log_dir)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "benchmarks.fanout"]
+    base = [sys.executable, "-m", "turnscale.benchmarks.fanout"]
     learner_ep = f"tcp://{c.addr('L')}:{LEARNER_PORT}"
     relay_eps = [f"tcp://{c.addr(f'h{i}')}:{RELAY_PORT}" for i in range(n)]
     procs = []
@@ -224,7 +224,7 @@ def measure(c: Any, n: int, k: int | None, a: argparse.Namespace, log_dir: str) 
 
 
 def run(args: argparse.Namespace) -> list[Result]:
-    from cluster.netns import Cluster, available
+    from turnscale.cluster.netns import Cluster, available
 
     ok, why = available()
     if not ok:
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> list[Result]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fanout")
+    p = argparse.ArgumentParser(prog="python -m turnscale.benchmarks.fanout")
     sub = p.add_subparsers(dest="role", required=True)
     pp = sub.add_parser("publisher")
     pp.add_argument("--bind", required=True)

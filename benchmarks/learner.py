@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 
-from benchmarks.common import Result, result
+from turnscale.benchmarks.common import Result, result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def _baseline(model_path: str, groups, lr: float):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.advantages import grpo_G
+    from turnscale.learner.advantages import grpo_G
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config.use_cache = False
@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> list[Result]:
 
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from conf.schema import Config
-    from benchmarks.synthetic import build_tiny_model, synthetic_groups
-    from learner.trainer import Trainer
+    from turnscale.conf.schema import Config
+    from turnscale.benchmarks.synthetic import build_tiny_model, synthetic_groups
+    from turnscale.learner.trainer import Trainer
 
     g_n = getattr(args, "learner_groups", 2)
     g_size = getattr(args, "learner_group_size", 8)
@@ -133,7 +133,7 @@ def _packing(path: str, cfg, groups, steps: int) -> list[Result]:
     import copy
     import time
 
-    from learner.trainer import Trainer
+    from turnscale.learner.trainer import Trainer
 
     base = copy.deepcopy(cfg)
     base.algo.micro_batch_tokens = type(cfg.algo)().micro_batch_tokens  # the default budget, as a run uses

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from benchmarks.common import format_table, write_json
+from turnscale.benchmarks.common import format_table, write_json
 
 BENCHMARKS = ["transport", "envhub", "envgames", "actor", "learner", "weights", "e2e", "fanout"]
 
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     if args.json_path:
         write_json(args.json_path, results)
     if args.plot:
-        from benchmarks.plots import plot_results
+        from turnscale.benchmarks.plots import plot_results
 
         plot_results(results, args.plot)
     return 0

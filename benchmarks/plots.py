@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from benchmarks.common import Result
+from turnscale.benchmarks.common import Result
 
 FILENAME = "ratios.png"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.messages import Episode, Task, TrajectoryGroup, Turn
+from turnscale.protocol.messages import Episode, Task, TrajectoryGroup, Turn
 
 
 def build_tiny_model(path: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import Result, result
+from turnscale.benchmarks.common import Result, result
 
 SIZES = {"64KB": 64 << 10, "4MB": 4 << 20}
 TARGETS = {"4MB": 0.8, "64KB": 0.5}
@@ -64,8 +64,8 @@ def _parse_size(text: str) -> int:
 
 def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: int = 0):
     """A valid GRPO-shaped ``TrajectoryGroup`` whose encoding is about ``target_bytes``."""
-    from protocol import codec
-    from protocol import messages as m
+    from turnscale.protocol import codec
+    from turnscale.protocol import messages as m
 
     def build(tokens: int):
         rng = np.random.default_rng(seed)
@@ -110,9 +110,9 @@ def serve_system(endpoint_file: str | None, ready: Any = None) -> None:
     import trio
     import zmq
 
-    from protocol import codec
-    from protocol import messages as m
-    from protocol.transport import AsyncSocket, SocketLimits, configure, split_router_frames
+    from turnscale.protocol import codec
+    from turnscale.protocol import messages as m
+    from turnscale.protocol.transport import AsyncSocket, SocketLimits, configure, split_router_frames
 
     async def main() -> None:
         ctx = zmq.Context()
@@ -198,7 +198,7 @@ class _Receiver:
             env = dict(os.environ)
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-            self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.transport", "--serve", kind], stdout=subprocess.PIPE, env=env)
+            self.proc = subprocess.Popen([sys.executable, "-m", "turnscale.benchmarks.transport", "--serve", kind], stdout=subprocess.PIPE, env=env)
             line = self.proc.stdout.readline().split()
             if not line or line[0] != b"READY":
                 self.close()
@@ -240,9 +240,9 @@ def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int
     import trio
     import zmq
 
-    from protocol import codec
-    from protocol import messages as m
-    from protocol.transport import AsyncSocket, SocketLimits, configure
+    from turnscale.protocol import codec
+    from turnscale.protocol import messages as m
+    from turnscale.protocol.transport import AsyncSocket, SocketLimits, configure
 
     async def main() -> tuple[int, float, float, float]:
         ctx = zmq.Context()
@@ -366,6 +366,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
         (serve_system if sys.argv[2] == "system" else serve_raw)(None)
         sys.exit(0)
-    from benchmarks.main import main
+    from turnscale.benchmarks.main import main
 
     sys.exit(main(["transport", *sys.argv[1:]]))

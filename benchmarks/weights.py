@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import Result, result
+from turnscale.benchmarks.common import Result, result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +63,7 @@ class _Child:
     request waits at most ``timeout_s`` for its answer."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.weights", "child"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "turnscale.benchmarks.weights", "child"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=os.environ.copy())
         self._pending = b""
 
@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> list[Result]:
     import torch
     from safetensors.torch import save_file
 
-    from learner.weights import WeightPublisher
-    from protocol import codec
+    from turnscale.learner.weights import WeightPublisher
+    from turnscale.protocol import codec
 
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -262,10 +262,10 @@ def _child_main() -> int:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from safetensors.torch import load_file
 
-    from actors.weight_sync import PullReport, ReceiveBuffer, pull_weights_blocking
-    from protocol.shmweights import SegmentRef
-    from protocol import codec
-    from protocol.messages import WeightManifest
+    from turnscale.actors.weight_sync import PullReport, ReceiveBuffer, pull_weights_blocking
+    from turnscale.protocol.shmweights import SegmentRef
+    from turnscale.protocol import codec
+    from turnscale.protocol.messages import WeightManifest
 
     buf = ReceiveBuffer()
     for line in sys.stdin:

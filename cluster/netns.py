@@ -26,7 +26,7 @@ exec``, which remounts ``/sys`` and hides cgroups from the children), each in it
 (process group), and are tracked.  ``close()`` (also ``__exit__``, ``atexit`` and SIGTERM when
 nobody else handles it) kills the tracked process groups (TERM, then KILL after a bound), any
 other process left inside the namespaces, then deletes veths, bridge and namespaces by name.
-``python -m cluster.netns --cleanup PREFIX`` does the same for a crashed run;
+``python -m turnscale.cluster.netns --cleanup PREFIX`` does the same for a crashed run;
 ``leftovers(PREFIX)`` lists what is still there.
 
 ``net.bridge.bridge-nf-call-iptables=1`` (br_netfilter loaded) sends bridged traffic through
@@ -453,7 +453,7 @@ class Cluster:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.netns", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m turnscale.cluster.netns", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cleanup", metavar="PREFIX", help="tear down namespaces, links and processes named PREFIX...")
     ap.add_argument("--list", metavar="PREFIX", help="list what is left with PREFIX")
     ap.add_argument("--check", action="store_true", help="say whether a cluster can be built here")

@@ -21,10 +21,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from conf import ConfigError
-from conf.schema import ActorConfig, LearnerConfig
-from protocol.curve import is_loopback, load_authorized, load_cert, load_secret
-from protocol.transport import CurveKeys
+from turnscale.conf import ConfigError
+from turnscale.conf.schema import ActorConfig, LearnerConfig
+from turnscale.protocol.curve import is_loopback, load_authorized, load_cert, load_secret
+from turnscale.protocol.transport import CurveKeys
 
 log = logging.getLogger("turnscale.curve")
 

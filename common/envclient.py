@@ -50,8 +50,8 @@ from urllib.parse import urlsplit
 
 import trio
 
-from common.http11 import HTTPProtocolError, ResponseParser, build_request
-from protocol.errors import TurnscaleError
+from turnscale.common.http11 import HTTPProtocolError, ResponseParser, build_request
+from turnscale.protocol.errors import TurnscaleError
 
 FLAVORS = ("turnscale", "agentgym", "agentgym_searchqa", "agentgym_webarena")
 MAX_RESPONSE_BYTES = 64 << 20

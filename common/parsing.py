@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from conf.envs import env_spec
+from turnscale.conf.envs import env_spec
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ template turns, and no fake assistant tokens in the stream (they would be masked
 
 from __future__ import annotations
 
-from conf.envs import env_spec
+from turnscale.conf.envs import env_spec
 
 
 def instruction(env: str) -> str:

@@ -28,7 +28,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from protocol.errors import TurnscaleError
+from turnscale.protocol.errors import TurnscaleError
 
 
 class RenderError(TurnscaleError):

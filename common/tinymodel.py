@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from typing import Callable, Iterable
 
-from conf.schema import ModelConfig, TinyModelConfig
+from turnscale.conf.schema import ModelConfig, TinyModelConfig
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """Ids 0, 1, 2 of every tiny tokenizer, in this order."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from conf.schema import Config
+from turnscale.conf.schema import Config
 
 
 class ConfigError(ValueError):
@@ -74,7 +74,7 @@ def _compose(compose, initialize_config_module, GlobalHydra, config_name: str, o
     for _ in range(len(overrides) + 1):
         GlobalHydra.instance().clear()
         try:
-            with initialize_config_module(config_module="conf", version_base="1.3"):
+            with initialize_config_module(config_module="turnscale.conf", version_base="1.3"):
                 return compose(config_name=config_name, overrides=overrides)
         except Exception as exc:
             m = re.match(r"Could not override '([^']+)'", str(exc))

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from conf.envs import ENVS
-from protocol.dtypes import FLOAT_DTYPES
+from turnscale.conf.envs import ENVS
+from turnscale.protocol.dtypes import FLOAT_DTYPES
 
 
 def _require(cond: bool, key: str, msg: str) -> None:

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from conf.envs import ENVS
+from turnscale.conf.envs import ENVS
 
 _SHAPES = "give 'start:stop', a comma list '3,5,9' or a JSON id file"
 

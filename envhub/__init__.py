@@ -5,7 +5,7 @@
 - ``workers``: env calls in worker threads under a deadline; ``bodies``: request bodies and
   JSON responses within the limits; ``httpserver``: uvicorn with connection, header and
   keep-alive limits (README "Security and limits").
-- ``main``: ``turnscale envhub env=<name> host=... port=...`` / ``python -m envhub``.
+- ``main``: ``turnscale envhub env=<name> host=... port=...`` / ``python -m turnscale.envhub``.
 - The async client of this HTTP API is ``common.envclient`` (the shared layer: actors use it).
 - ``registry``: env name -> family factory; one module per family (``babyai``, ...).
 - ``simwork``: the simulated long-tail workload a server applies when ``env.options.sim_latency``

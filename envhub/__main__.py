@@ -1,10 +1,10 @@
-"""``python -m envhub env=<name> host=... port=...``: the same as ``turnscale envhub``
+"""``python -m turnscale.envhub env=<name> host=... port=...``: the same as ``turnscale envhub``
 (``envhub.main``, with the CLI's handling of a bad override: a message and exit 2)."""
 
 import sys
 
-from conf import ConfigError
-from envhub.main import main
+from turnscale.conf import ConfigError
+from turnscale.envhub.main import main
 
 try:
     rc = main(sys.argv[1:])

@@ -60,9 +60,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from envhub.babyai_prims import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, quiet_stdout
-from envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
-from envhub.options import read_options
+from turnscale.envhub.babyai_prims import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, quiet_stdout
+from turnscale.envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
+from turnscale.envhub.options import read_options
 
 LEVELS: tuple[str, ...] = (
     "BabyAI-GoToRedBallGrey-v0",
@@ -442,7 +442,7 @@ class BabyAIEnv:
         self.mission = self.unwrapped.mission
         self.ret, self.done = 0.0, False
         if self.text == "agentgym":
-            from envhub.babyai_agentgym import agentgym_mission, format_actions as ag_actions, scene
+            from turnscale.envhub.babyai_agentgym import agentgym_mission, format_actions as ag_actions, scene
 
             self.mission = agentgym_mission(self.mission)
             self._image = obs["image"]
@@ -495,7 +495,7 @@ class BabyAIEnv:
 
     def _step_agentgym(self, action: str) -> StepResult:
         """AgentGym's step texts: its action matching (lower-case, stripped), its messages."""
-        from envhub.babyai_agentgym import format_actions as ag_actions, scene
+        from turnscale.envhub.babyai_agentgym import format_actions as ag_actions, scene
 
         act = action.lower().strip()
         reward, terminated, truncated, valid = 0.0, False, False, True
@@ -536,7 +536,7 @@ class BabyAIEnv:
     def agentgym_observation(self) -> dict[str, Any]:
         """AgentGym's ``GET /observation``: the goal line, the current state and the actions."""
         if self.text == "agentgym":
-            from envhub.babyai_agentgym import format_actions as ag_actions
+            from turnscale.envhub.babyai_agentgym import format_actions as ag_actions
 
             obs = f"Your goal: {self.mission}\n{self._state_text}{ag_actions(self.actions)}"
         else:
@@ -565,7 +565,7 @@ class BabyAIEnv:
         if self.env is None:
             raise RuntimeError("expert_action before reset")
         if self._oracle is None:
-            from envhub.babyai_oracle import BabyAIOracle
+            from turnscale.envhub.babyai_oracle import BabyAIOracle
 
             self._oracle = BabyAIOracle(self)
         return self._oracle.next_action()
@@ -598,7 +598,7 @@ class OracleRun:
 
 def play_oracle(data_idx: int, max_turns: int = 64) -> OracleRun:
     """Play one episode of task ``data_idx`` with the oracle (``envhub.babyai_oracle``), in process."""
-    from envhub.babyai_oracle import BabyAIOracle
+    from turnscale.envhub.babyai_oracle import BabyAIOracle
 
     env = BabyAIEnv()
     obs = env.reset(data_idx).observation

@@ -37,7 +37,7 @@ import copy
 import re
 from dataclasses import dataclass
 
-from envhub.babyai_prims import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, quiet_stdout
+from turnscale.envhub.babyai_prims import DONE, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, quiet_stdout
 
 _VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid DIR_TO_VEC
 MAX_SUBGOALS = 256

@@ -28,8 +28,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from conf.schema import ServerLimits
-from envhub.instances import ApiError
+from turnscale.conf.schema import ServerLimits
+from turnscale.envhub.instances import ApiError
 
 
 async def read_body(request: Request, limits: ServerLimits) -> bytes:

@@ -19,7 +19,7 @@ def play_texts(env_cfg: Any, episodes: int = 24) -> list[str]:
     collected when playing fails."""
     texts: list[str] = []
     try:
-        from envhub.registry import make_family
+        from turnscale.envhub.registry import make_family
 
         family = make_family(env_cfg)
     except Exception as exc:  # env deps missing: the fixed lines still make a usable tokenizer

@@ -28,7 +28,7 @@ import math
 import time
 from typing import Any
 
-from conf.schema import ServerLimits
+from turnscale.conf.schema import ServerLimits
 
 log = logging.getLogger("envhub")
 

@@ -35,9 +35,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conf.schema import ServerLimits
-from envhub.base import Env, EnvBusy, EnvFamily, ResetResult, StepResult
-from envhub.workers import CallOverran, WorkerPool, WorkersExhausted
+from turnscale.conf.schema import ServerLimits
+from turnscale.envhub.base import Env, EnvBusy, EnvFamily, ResetResult, StepResult
+from turnscale.envhub.workers import CallOverran, WorkerPool, WorkersExhausted
 
 log = logging.getLogger("envhub")
 

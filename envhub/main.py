@@ -43,8 +43,7 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import conf
-
+    from turnscale import conf
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = conf.load(rewrite_overrides(argv))
     if os.environ.get("OMP_NUM_THREADS"):
@@ -73,9 +72,9 @@ def serve(env_cfg) -> int:
             if sig == signal.SIGTERM:
                 self._captured_signals.remove(sig)
 
-    from envhub.httpserver import uvicorn_config
-    from envhub.registry import make_family
-    from envhub.server import create_app
+    from turnscale.envhub.httpserver import uvicorn_config
+    from turnscale.envhub.registry import make_family
+    from turnscale.envhub.server import create_app
 
     # Env calls run in ``env.options.server_threads`` worker threads (default 8);
     # ``env.options.switch_interval_s`` sets the GIL switch interval (Python's default 5 ms).

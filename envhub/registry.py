@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from conf.envs import ENVS
+from turnscale.conf.envs import ENVS
 
 
 CLIENT_OPTIONS = ("flavor",)
@@ -29,7 +29,7 @@ def make_family(cfg):
         cfg = dataclasses.replace(cfg, options={k: v for k, v in cfg.options.items() if k not in foreign})
     if cfg.name not in ENVS:
         raise ValueError(f"config key 'env.name': unknown env {cfg.name!r}; choose one of {sorted(ENVS)}")
-    from envhub.simwork import split_options, wrap
+    from turnscale.envhub.simwork import split_options, wrap
 
     own, sim = split_options(cfg)
     return wrap(family_factory(cfg.name)(own), sim)
@@ -38,4 +38,4 @@ def make_family(cfg):
 def family_factory(name: str):
     """The factory named by ``conf.envs.ENVS[name].server``, imported from ``envhub.<module>``."""
     module, attr = ENVS[name].server.split(":")
-    return getattr(importlib.import_module(f"envhub.{module}"), attr)
+    return getattr(importlib.import_module(f"turnscale.envhub.{module}"), attr)

@@ -7,7 +7,7 @@ AgentGym renders it), the rest the text.
 HTTP shape (Search-R1's ``retrieval_server.py``): ``POST <url> {"queries": [...], "topk": k,
 "return_scores": true}`` -> ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``
 (one list per query, best first); with ``return_scores`` false each entry is the document itself.
-``python -m envhub.retrieval_server`` serves that shape over a BM25 index.
+``python -m turnscale.envhub.retrieval_server`` serves that shape over a BM25 index.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A Search-R1-compatible retrieval service over an in-process BM25 index.
 
-``python -m envhub.retrieval_server --corpus corpus.jsonl --host 127.0.0.1 --port 8000`` serves
+``python -m turnscale.envhub.retrieval_server --corpus corpus.jsonl --host 127.0.0.1 --port 8000`` serves
 ``POST /retrieve {"queries": [...], "topk": k, "return_scores": bool}`` ->
 ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}`` (or bare documents when
 ``return_scores`` is false) and ``GET /health``.  Lets many SearchQA servers share one index, and
@@ -16,8 +16,8 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from envhub.retrieval import BM25Retriever, Retriever
-from envhub.searchqa_data import CORPUS_FILE, DATA_DIR
+from turnscale.envhub.retrieval import BM25Retriever, Retriever
+from turnscale.envhub.searchqa_data import CORPUS_FILE, DATA_DIR
 
 MAX_QUERIES, MAX_TOPK = 1024, 100
 

@@ -46,8 +46,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from envhub.base import AgentGymShape, EnvBusy, ResetResult, StepResult
-from envhub.options import read_options
+from turnscale.envhub.base import AgentGymShape, EnvBusy, ResetResult, StepResult
+from turnscale.envhub.options import read_options
 
 log = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from envhub.base import AgentGymShape, ResetResult, StepResult
-from envhub.options import read_options
-from envhub.retrieval import BM25Retriever, HttpRetriever, Retriever, passages
-from envhub.searchqa_data import CORPUS_FILE, DATA_DIR, QUESTIONS_FILE
+from turnscale.envhub.base import AgentGymShape, ResetResult, StepResult
+from turnscale.envhub.options import read_options
+from turnscale.envhub.retrieval import BM25Retriever, HttpRetriever, Retriever, passages
+from turnscale.envhub.searchqa_data import CORPUS_FILE, DATA_DIR, QUESTIONS_FILE
 
 PROMPT = (
     "You must reason inside <think>...</think> first. If you do not have enough knowledge, issue a "

@@ -11,7 +11,7 @@ the FlashRAG QA layout (``{"id", "question", "golden_answers", "data_source", "g
 
 Everything comes from ``random.Random(seed)``: the same seed gives byte-identical files on every
 machine.  The shipped files under ``envhub/data/searchqa/`` were written by
-``python -m envhub.searchqa_data envhub/data/searchqa`` (a test checks they are current).
+``python -m turnscale.envhub.searchqa_data envhub/data/searchqa`` (a test checks they are current).
 """
 
 from __future__ import annotations

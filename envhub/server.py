@@ -88,10 +88,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from envhub.base import AgentGymShape, EnvFamily
-from envhub.bodies import encode_json, parse_json_object, read_body
-from envhub.httpserver import STATS, RateLimitedLog
-from envhub.instances import ApiError, InstanceTable
+from turnscale.envhub.base import AgentGymShape, EnvFamily
+from turnscale.envhub.bodies import encode_json, parse_json_object, read_body
+from turnscale.envhub.httpserver import STATS, RateLimitedLog
+from turnscale.envhub.instances import ApiError, InstanceTable
 
 log = logging.getLogger("envhub")
 

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from envhub.base import Env, EnvFamily, ResetResult, StepResult
+from turnscale.envhub.base import Env, EnvFamily, ResetResult, StepResult
 
 OPTION = "sim_latency"
 """Key in ``env.options`` that turns the simulated workload on."""

@@ -62,8 +62,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from envhub.base import AgentGymShape, ResetResult, StepResult
-from envhub.options import read_options
+from turnscale.envhub.base import AgentGymShape, ResetResult, StepResult
+from turnscale.envhub.options import read_options
 
 PREFIX = "minecraft:"
 MAX_DISTRACTORS = 10
@@ -393,7 +393,7 @@ class RecipeBook:
     def set_orders(self, hashseed: int) -> dict[str, tuple[list[str], list[str]]]:
         """For every goal, its two command lists in the iteration order of the ``set``\ s a
         process with ``PYTHONHASHSEED=hashseed`` builds (``envhub.pyhash``; one helper process)."""
-        from envhub.pyhash import set_orders
+        from turnscale.envhub.pyhash import set_orders
 
         goals = [g for g, _ in self.goals]
         lists: list[list[str]] = []

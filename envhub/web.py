@@ -46,12 +46,12 @@ import urllib.request
 import uuid
 from typing import Any, Iterator
 
-from envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
-from envhub.options import read_options
-from envhub.web_browser import BrowserBroken, BrowserPool, ElementError, Session, accessibility_tree, execute, tab_titles
-from envhub.web_oracle import WebOracle
-from envhub.web_tasks import evaluate, needs_state, task
-from envhub.webarena_actions import ActionError, extract_action, format_action, parse_action
+from turnscale.envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
+from turnscale.envhub.options import read_options
+from turnscale.envhub.web_browser import BrowserBroken, BrowserPool, ElementError, Session, accessibility_tree, execute, tab_titles
+from turnscale.envhub.web_oracle import WebOracle
+from turnscale.envhub.web_tasks import evaluate, needs_state, task
+from turnscale.envhub.webarena_actions import ActionError, extract_action, format_action, parse_action
 
 OPTIONS: dict[str, Any] = {"chromium": "/usr/bin/chromium", "obs_max_tokens": 2048, "nav_timeout_s": 20.0, "num_tasks": 4400,
                            "viewport_only": True}
@@ -79,13 +79,13 @@ class SiteProcess:
     thread that owns the family, as ``envhub.main`` does) or when its parent process is gone."""
 
     def __init__(self) -> None:
-        from common.procs import _die_with_parent
+        from turnscale.common.procs import _die_with_parent
 
         self.token = secrets.token_hex(16)
         env = {**os.environ, "TS_WEB_TOKEN": self.token}
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen([sys.executable, "-m", "envhub.web_sites", "--parent-pid", str(os.getpid())],
+        self.proc = subprocess.Popen([sys.executable, "-m", "turnscale.envhub.web_sites", "--parent-pid", str(os.getpid())],
                                      stdout=subprocess.PIPE, env=env, text=True, preexec_fn=_die_with_parent(os.getpid()))
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("PORT "):
@@ -101,7 +101,7 @@ class SiteProcess:
             return json.loads(resp.read())
 
     def close(self) -> None:
-        from common.procs import stop_process
+        from turnscale.common.procs import stop_process
 
         if self.proc.poll() is None:
             stop_process(self.proc, grace_s=5.0)
@@ -265,7 +265,7 @@ def _family(o: dict[str, Any]) -> WebFamily:
 def seed_task_ids(seeds: range) -> list[int]:
     """Every task id of the world seeds ``seeds`` (``TASKS_PER_SEED`` each): ``turnscale run``'s
     warm-up / train / test files for ``env=web``."""
-    from envhub.web_tasks import TASKS_PER_SEED
+    from turnscale.envhub.web_tasks import TASKS_PER_SEED
 
     return [s * TASKS_PER_SEED + k for s in seeds for k in range(TASKS_PER_SEED)]
 
@@ -274,7 +274,7 @@ def play_oracle(task_ids: list[int], max_turns: int = 30, options: dict | None =
     """Play the oracle on ``task_ids`` in process with one family (one browser): yields
     ``(data_idx, [(observation, action), ...], success, return, template)`` per task (warm-start
     conversations; the oracle-solves-every-task check)."""
-    from envhub.web_oracle import OracleLost
+    from turnscale.envhub.web_oracle import OracleLost
 
     o = read_options({k: v for k, v in (options or {}).items() if k in OPTIONS}, OPTIONS, "web")  # not the client's keys
     fam = _family(o)

@@ -1,6 +1,6 @@
 """The local web sites of ``env=web``: a shop, a forum and a code-hosting site, plain
 server-rendered HTML, served by
-one sibling process of the env server (``python -m envhub.web_sites``) on 127.0.0.1.
+one sibling process of the env server (``python -m turnscale.envhub.web_sites``) on 127.0.0.1.
 
 Isolation: every env instance browses its own copy of the sites, a *world* (``tsworld``
 cookie, set by the env in the instance's browser context).  ``POST /_control/reset`` (re)creates
@@ -35,7 +35,7 @@ from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, quote, urlsplit
 
-from envhub.web_data import CATEGORIES, FORUMS, PAGE_SIZE, World, world
+from turnscale.envhub.web_data import CATEGORIES, FORUMS, PAGE_SIZE, World, world
 
 MAX_WORLDS = 256
 MAX_BODY = 64 * 1024

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
-from envhub.web_data import CATEGORIES, N_POSTS, PAGE_SIZE, World, world
+from turnscale.envhub.web_data import CATEGORIES, N_POSTS, PAGE_SIZE, World, world
 
 TASKS_PER_SEED = 40
 TEMPLATES = ("shop_price", "shop_order", "shop_category_page", "shop_admin_order_owner",
@@ -206,7 +206,7 @@ def id_files(held_out: tuple[str, ...] = HELD_OUT_TEMPLATES) -> dict[str, list[d
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m envhub.web_tasks OUT_DIR``: write the id files of ``id_files()`` there."""
+    """``python -m turnscale.envhub.web_tasks OUT_DIR``: write the id files of ``id_files()`` there."""
     import argparse
     import json
     import os

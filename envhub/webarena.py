@@ -35,9 +35,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from envhub.base import ResetResult, StepResult
-from envhub.options import read_options
-from envhub.webarena_actions import ActionError, extract_action, format_action, parse_action
+from turnscale.envhub.base import ResetResult, StepResult
+from turnscale.envhub.options import read_options
+from turnscale.envhub.webarena_actions import ActionError, extract_action, format_action, parse_action
 
 log = logging.getLogger(__name__)
 

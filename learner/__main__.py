@@ -1,3 +1,3 @@
-from learner.main import main
+from turnscale.learner.main import main
 
 raise SystemExit(main())

@@ -59,9 +59,9 @@ from typing import Any, Iterable, Protocol
 
 import numpy as np
 
-from learner.tasks import TaskStream
-from learner.validation import GroupLimits, find_problem
-from protocol.messages import Lease, Task, TrajectoryGroup
+from turnscale.learner.tasks import TaskStream
+from turnscale.learner.validation import GroupLimits, find_problem
+from turnscale.protocol.messages import Lease, Task, TrajectoryGroup
 
 DROP_REASONS = ("unknown_lease", "duplicate", "expired", "not_holder", "mismatch", "failed", "invalid", "stale")
 

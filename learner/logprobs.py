@@ -18,7 +18,7 @@ from contextlib import nullcontext
 
 import torch
 
-from common.logprobs import scaled_log_softmax
+from turnscale.common.logprobs import scaled_log_softmax
 
 
 def _log_softmax(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conf.schema import PPOLossConfig  # the loss's config; declared in the schema, which embeds it in AlgoConfig
+from turnscale.conf.schema import PPOLossConfig  # the loss's config; declared in the schema, which embeds it in AlgoConfig
 
 __all__ = ["LossMetrics", "PPOLossConfig", "low_var_kl_BT", "ppo_loss", "sft_loss", "value_loss"]
 

@@ -1,4 +1,4 @@
-"""``turnscale learner [hydra overrides]`` / ``python -m learner``: build the parts, run the loop.
+"""``turnscale learner [hydra overrides]`` / ``python -m turnscale.learner``: build the parts, run the loop.
 
 ``run(cfg)`` reads top to bottom: resolved config -> ``<learner.dir>/config.yaml``, model path -> trainer -> schedule -> weight publisher ->
 checkpointer -> loggers -> service (-> resume) -> serve.  Everything the loop does is in
@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any, Callable, Iterable
 
-from conf.schema import Config
+from turnscale.conf.schema import Config
 
 log = logging.getLogger("turnscale.learner")
 
@@ -34,10 +34,10 @@ def env_corpus(cfg: Config, episodes: int = 24, play: EnvPlay | None = None) -> 
 
     ``play`` (``envhub.corpus.play_texts``) is handed in by the application (``turnscale
     learner``, benchmarks): roles never import each other, so the learner does not import
-    envhub.  Without it (``python -m learner``) the corpus is the fixed lines and the prompt."""
+    envhub.  Without it (``python -m turnscale.learner``) the corpus is the fixed lines and the prompt."""
     texts: list[str] = list(FALLBACK_CORPUS)
     try:
-        from common.prompts import instruction
+        from turnscale.common.prompts import instruction
 
         texts.append(instruction(cfg.env.name))
     except (ImportError, ValueError):
@@ -52,7 +52,7 @@ def resolve_model_path(cfg: Config, play: EnvPlay | None = None) -> str:
     on ``env_corpus(cfg, play=play)``)."""
     if cfg.learner.init_from:
         return cfg.learner.init_from
-    from common.tinymodel import ensure_model
+    from turnscale.common.tinymodel import ensure_model
 
     return ensure_model(cfg.model, lambda: env_corpus(cfg, play=play))
 
@@ -70,7 +70,7 @@ class TrainerCheckpointer:
     def save(self, step: int, extra: dict[str, Any]) -> str | None:
         """Write ``<root>/step-<step>`` atomically; its path (None on ranks other than the
         main one, which only take part in gathering the model)."""
-        from learner import checkpoint
+        from turnscale.learner import checkpoint
 
         write = self.trainer.state_writer()
         if write is None:
@@ -83,7 +83,7 @@ class TrainerCheckpointer:
     def load_latest(self) -> dict[str, Any] | None:
         """Restore the trainer from the newest complete checkpoint and check the schedule;
         returns the run's state (``extra``), or None when there is no checkpoint."""
-        from learner import checkpoint
+        from turnscale.learner import checkpoint
 
         path = checkpoint.latest(self.root)
         if path is None:
@@ -100,23 +100,22 @@ class TrainerCheckpointer:
 async def run(cfg: Config, play: EnvPlay | None = None) -> int:
     import trio
 
-    from learner.metrics import make_logger
-    from learner.schedule import TurnSchedule
-    from learner.service import LearnerService, ServiceParts
-    from learner.trainer import Trainer
-    from learner.trajlog import NullTrajectoryLog, TrajectoryLog
-    from learner.weights import WeightPublisher
-    from protocol.transport import tcp_endpoint
+    from turnscale.learner.metrics import make_logger
+    from turnscale.learner.schedule import TurnSchedule
+    from turnscale.learner.service import LearnerService, ServiceParts
+    from turnscale.learner.trainer import Trainer
+    from turnscale.learner.trajlog import NullTrajectoryLog, TrajectoryLog
+    from turnscale.learner.weights import WeightPublisher
+    from turnscale.protocol.transport import tcp_endpoint
 
-    import conf
-
+    from turnscale import conf
     lc = cfg.learner
     os.makedirs(lc.dir, exist_ok=True)
     conf.save(cfg, os.path.join(lc.dir, "config.yaml"))  # the resolved config, next to checkpoints/
     model_path = await trio.to_thread.run_sync(resolve_model_path, cfg, play)
     trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
     if cfg.algo.name == "sft" and lc.sft_data:
-        from learner.sft import run_sft
+        from turnscale.learner.sft import run_sft
 
         logger = make_logger(cfg.logger, lc.dir)
         try:
@@ -162,8 +161,8 @@ def _curve_context(cfg: Config) -> tuple[Any, Any, Any]:
     (its own thread, on this one context) admits only the keys in ``learner.curve.authorized``."""
     import zmq
 
-    from common.curve import learner_curve
-    from protocol.curve import ZapAuthenticator
+    from turnscale.common.curve import learner_curve
+    from turnscale.protocol.curve import ZapAuthenticator
 
     setup = learner_curve(cfg.learner)  # CurveConfigError (exit 2) before anything binds
     ctx = zmq.Context()
@@ -200,21 +199,20 @@ async def _stop_on_signal(scope: Any, service: Any) -> None:
 def main(argv: Iterable[str] | None = None, play: EnvPlay | None = None) -> int:
     import trio
 
-    import conf
-
+    from turnscale import conf
     try:
         cfg = conf.load(list(sys.argv[1:] if argv is None else argv))
     except conf.ConfigError as exc:
         print(f"turnscale learner: {exc}", file=sys.stderr)
         return 2
-    from common.curve import learner_curve
+    from turnscale.common.curve import learner_curve
 
     try:
         learner_curve(cfg.learner, warn=False)  # key files checked before the model is built; run() warns
     except conf.ConfigError as exc:
         print(f"turnscale learner: {exc}", file=sys.stderr)
         return 2
-    from common.procs import setup_process
+    from turnscale.common.procs import setup_process
 
     setup_process()
     return trio.run(run, cfg, play)

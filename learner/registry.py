@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.messages import ErrorReply, Hello
+from turnscale.protocol.messages import ErrorReply, Hello
 
 MAX_ID_CHARS = 128
 """Longest ``actor_id`` (and ``token``) accepted."""

@@ -76,19 +76,19 @@ import numpy as np
 import trio
 import zmq
 
-from conf.schema import Config
-from learner import relaytree
-from learner.leases import LeaseManager, Ready
-from learner.runstate import RunState
-from learner.signal import SignalWatch
-from learner.registry import ActorRegistry, short
-from learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
-from learner.tasks import TaskStream, parse_task_spec
-from learner.trajlog import NullTrajectoryLog
-from learner.validation import GroupLimits
-from protocol import codec
-from protocol.errors import ProtocolError, TransportError
-from protocol.messages import (
+from turnscale.conf.schema import Config
+from turnscale.learner import relaytree
+from turnscale.learner.leases import LeaseManager, Ready
+from turnscale.learner.runstate import RunState
+from turnscale.learner.signal import SignalWatch
+from turnscale.learner.registry import ActorRegistry, short
+from turnscale.learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
+from turnscale.learner.tasks import TaskStream, parse_task_spec
+from turnscale.learner.trajlog import NullTrajectoryLog
+from turnscale.learner.validation import GroupLimits
+from turnscale.protocol import codec
+from turnscale.protocol.errors import ProtocolError, TransportError
+from turnscale.protocol.messages import (
     ActorStatus,
     ControlRequest,
     LearnerStatus,
@@ -109,7 +109,7 @@ from protocol.messages import (
     WeightManifest,
     Welcome,
 )
-from protocol.transport import AsyncSocket, CurveKeys, SocketLimits, configure, split_router_frames, tcp_endpoint
+from turnscale.protocol.transport import AsyncSocket, CurveKeys, SocketLimits, configure, split_router_frames, tcp_endpoint
 
 log = logging.getLogger("turnscale.learner")
 

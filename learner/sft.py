@@ -19,16 +19,16 @@ import random
 import time
 from typing import Any
 
-from conf.schema import Config
+from turnscale.conf.schema import Config
 
 log = logging.getLogger("turnscale.learner.sft")
 
 
 def run_sft(cfg: Config, trainer: Any, logger: Any) -> str:
     """Train ``cfg.learner.steps`` SFT steps; returns the final checkpoint's folder."""
-    from common.renderer import Renderer
-    from learner.main import TrainerCheckpointer
-    from learner.sft_data import load_sft_groups
+    from turnscale.common.renderer import Renderer
+    from turnscale.learner.main import TrainerCheckpointer
+    from turnscale.learner.sft_data import load_sft_groups
 
     lc = cfg.learner
     if not lc.sft_data:

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from protocol.messages import Episode, Task, TrajectoryGroup, Turn
+from turnscale.protocol.messages import Episode, Task, TrajectoryGroup, Turn
 
 
 class SFTDataError(ValueError):

@@ -24,9 +24,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from conf import tasks as conf_tasks
-from conf.tasks import TaskSpecError
-from protocol.messages import Task
+from turnscale.conf import tasks as conf_tasks
+from turnscale.conf.tasks import TaskSpecError
+from turnscale.protocol.messages import Task
 
 __all__ = ["TaskCursor", "TaskSpecError", "TaskStream", "parse_task_spec"]
 

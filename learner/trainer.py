@@ -52,13 +52,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner import advantages as adv_mod
-from learner import checkpoint as ckpt
-from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
-from learner.packing import Pack, pack_sequences, plan_packs, use_varlen_attention
-from learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
-from learner.loss import LossMetrics, ppo_loss, sft_loss, value_loss
-from protocol.dtypes import float_torch_dtype
+from turnscale.learner import advantages as adv_mod
+from turnscale.learner import checkpoint as ckpt
+from turnscale.learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
+from turnscale.learner.packing import Pack, pack_sequences, plan_packs, use_varlen_attention
+from turnscale.learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
+from turnscale.learner.loss import LossMetrics, ppo_loss, sft_loss, value_loss
+from turnscale.protocol.dtypes import float_torch_dtype
 
 
 @dataclass

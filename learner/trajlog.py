@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from protocol.messages import Episode, TrajectoryGroup
+from turnscale.protocol.messages import Episode, TrajectoryGroup
 
 Decode = Callable[[list[int]], str]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocol.messages import TrajectoryGroup
+from turnscale.protocol.messages import TrajectoryGroup
 
 LOGPROB_TOLERANCE = 1e-4
 """A behaviour log-prob may exceed 0 by float32 rounding, never by more."""

@@ -45,13 +45,13 @@ import numpy as np
 import torch
 import zmq
 
-from protocol import checksums, codec
-from protocol.dtypes import torch_dtype
-from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
-from protocol.router import read_request, serve_router
-from protocol.shmweights import Segment, SegmentRef
-from protocol.transport import CurveKeys, SocketLimits, configure
-from protocol.weights import build_manifest, layout, write_and_chunk
+from turnscale.protocol import checksums, codec
+from turnscale.protocol.dtypes import torch_dtype
+from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from turnscale.protocol.router import read_request, serve_router
+from turnscale.protocol.shmweights import Segment, SegmentRef
+from turnscale.protocol.transport import CurveKeys, SocketLimits, configure
+from turnscale.protocol.weights import build_manifest, layout, write_and_chunk
 
 log = logging.getLogger(__name__)
 

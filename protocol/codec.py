@@ -41,8 +41,8 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-from protocol.errors import ProtocolError
-from protocol.messages import REGISTRY, SCHEMA_VERSION
+from turnscale.protocol.errors import ProtocolError
+from turnscale.protocol.messages import REGISTRY, SCHEMA_VERSION
 
 ARRAY_INLINE = 1
 ARRAY_FRAME = 2

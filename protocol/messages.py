@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from protocol.dtypes import WIRE_DTYPES
-from protocol.errors import ProtocolError
+from turnscale.protocol.dtypes import WIRE_DTYPES
+from turnscale.protocol.errors import ProtocolError
 
 SCHEMA_VERSION = 7
 """Bumped on every incompatible change; a message with another version is rejected.

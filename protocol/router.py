@@ -21,10 +21,10 @@ from typing import Callable, TypeVar
 
 import zmq
 
-from protocol import codec
-from protocol.errors import ProtocolError
-from protocol.messages import ErrorReply
-from protocol.transport import split_router_frames
+from turnscale.protocol import codec
+from turnscale.protocol.errors import ProtocolError
+from turnscale.protocol.messages import ErrorReply
+from turnscale.protocol.transport import split_router_frames
 
 T = TypeVar("T")
 

@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from protocol import checksums
-from protocol.errors import TurnscaleError
+from turnscale.protocol import checksums
+from turnscale.protocol.errors import TurnscaleError
 
 MAGIC = b"TSWSEG01"
 HEADER_BYTES = 4096

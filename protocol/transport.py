@@ -30,8 +30,8 @@ from typing import Any, Sequence
 import trio
 import zmq
 
-from protocol import codec
-from protocol.errors import PeerTimeout, RemoteError, TransportError
+from turnscale.protocol import codec
+from turnscale.protocol.errors import PeerTimeout, RemoteError, TransportError
 
 CHECKPOINT_EVERY = 16
 
@@ -213,7 +213,7 @@ class Requester:
         ``RemoteError`` when the peer answers with an ``ErrorReply``, and ``ProtocolError``
         when the reply is malformed or not of an ``expect`` type.
         """
-        from protocol.messages import ErrorReply
+        from turnscale.protocol.messages import ErrorReply
 
         async with self._lock:
             self._next_id += 1
@@ -244,7 +244,7 @@ def split_router_frames(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
     The reply prefix is ``[identity, request_id]``; send it back in front of the reply.
     Raises ``ProtocolError`` when the routing frames are missing.
     """
-    from protocol.errors import ProtocolError
+    from turnscale.protocol.errors import ProtocolError
 
     if len(frames) < 3:
         raise ProtocolError(f"expected [identity, request id, message...], got {len(frames)} frame(s)")

@@ -21,10 +21,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from protocol import checksums
-from protocol.dtypes import torch_dtype, wire_name
-from protocol.errors import ProtocolError
-from protocol.messages import ChunkInfo, TensorInfo, WeightManifest
+from turnscale.protocol import checksums
+from turnscale.protocol.dtypes import torch_dtype, wire_name
+from turnscale.protocol.errors import ProtocolError
+from turnscale.protocol.messages import ChunkInfo, TensorInfo, WeightManifest
 
 
 def layout(state_dict: Mapping[str, Any], dtype: str) -> tuple[list[TensorInfo], int]:

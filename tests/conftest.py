@@ -99,8 +99,8 @@ def tiny_corpus(n: int = 400, seed: int = 0) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A locally built Qwen2-architecture model + ChatML BPE tokenizer (hidden 64, 2 layers, vocab 1024)."""
-    from conf.schema import TinyModelConfig
-    from common.tinymodel import build_tiny_model
+    from turnscale.conf.schema import TinyModelConfig
+    from turnscale.common.tinymodel import build_tiny_model
 
     cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=1024)
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model")), cfg, tiny_corpus())

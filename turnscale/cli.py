@@ -10,13 +10,13 @@ import importlib
 import sys
 
 ROLES: dict[str, tuple[str, str]] = {
-    "envhub": ("envhub.main", "serve one env family over HTTP (AgentGym-compatible)"),
+    "envhub": ("turnscale.envhub.main", "serve one env family over HTTP (AgentGym-compatible)"),
     "learner": ("turnscale.learnerapp", "the central learner: leases, training, weight publication"),
-    "actor": ("actors.main", "one actor process: inference engine + episodes, pointed at a learner"),
+    "actor": ("turnscale.actors.main", "one actor process: inference engine + episodes, pointed at a learner"),
     "run": ("turnscale.launch", "everything on one machine: envhub, learner, actors (embedded defaults)"),
     "eval": ("turnscale.evaluate", "success / Avg@k / Pass@k of a checkpoint on an env split"),
     "experiment": ("turnscale.experiment", "ScalingInter-RL vs fixed turn limits: same budget, seeds, error bars"),
-    "bench": ("benchmarks.main", "throughput benchmarks, as ratios against in-run baselines"),
+    "bench": ("turnscale.benchmarks.main", "throughput benchmarks, as ratios against in-run baselines"),
     "view": ("turnscale.viewer", "browse trajectories of a run directory in a local web app"),
     "slurm": ("turnscale.slurm", "sbatch scripts for a Slurm cluster (learner, envhub, one actor array per pool); --dry-run prints them"),
     "keys": ("turnscale.keys", "write CURVE key files (learner, actors, authorized/) for non-loopback runs"),
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"turnscale {role}: not built yet ({module_name} does not exist)", file=sys.stderr)
             return 2
         raise
-    from conf import ConfigError
+    from turnscale.conf import ConfigError
 
     try:
         return int(module.main(rest) or 0)

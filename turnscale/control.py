@@ -16,10 +16,10 @@ from typing import Any
 
 import zmq
 
-from protocol import codec
-from protocol.errors import PeerTimeout, RemoteError
-from protocol.messages import ControlRequest, ErrorReply, LearnerStatus
-from protocol.transport import configure, tcp_endpoint
+from turnscale.protocol import codec
+from turnscale.protocol.errors import PeerTimeout, RemoteError
+from turnscale.protocol.messages import ControlRequest, ErrorReply, LearnerStatus
+from turnscale.protocol.transport import configure, tcp_endpoint
 from turnscale.scaling import Decision, Sample, ScalingBackend, ScalingController, pick_drain
 
 log = logging.getLogger("turnscale.scaling")

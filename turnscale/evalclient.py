@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.envclient import EnvClient, EnvClientError
+from turnscale.common.envclient import EnvClient, EnvClientError
 
 
 class ClientSession:

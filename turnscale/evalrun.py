@@ -31,8 +31,8 @@ from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 import numpy as np
 
-from common.procs import stop_process
-from protocol.transport import free_port
+from turnscale.common.procs import stop_process
+from turnscale.protocol.transport import free_port
 
 
 class EvalNotBuilt(RuntimeError):
@@ -57,7 +57,7 @@ class SessionPool(Protocol):
 def episode_record(ep: Any, *, checkpoint: str, env: str, data_idx: int, split: str, category: str, sample: int,
                    decode: Callable[[list[int]], str] | None) -> dict:
     """One played episode in the learner's ``trajectories.jsonl`` format, plus ``checkpoint`` and ``sample``."""
-    from learner.trajlog import turn_records
+    from turnscale.learner.trajlog import turn_records
 
     turns = turn_records(ep)
     ids = np.asarray(ep.token_ids)
@@ -131,7 +131,7 @@ def resolve_model_dir(path: str) -> str:
 
 
 def eval_seed(base: int, data_idx: int, sample: int) -> int:
-    from actors.episode import episode_seed
+    from turnscale.actors.episode import episode_seed
 
     return episode_seed(base * 1_000_003 + data_idx, sample)
 
@@ -142,8 +142,8 @@ async def play_all(*, engine: Any, renderer: Any, parser: Any, prompt: str, samp
     """Play every ``(turn_limit, data_idx, sample)`` job, ``concurrency`` at a time; records in job order."""
     import trio
 
-    from actors.episode import run_episode
-    from protocol.messages import Task
+    from turnscale.actors.episode import run_episode
+    from turnscale.protocol.messages import Task
 
     limiter = trio.CapacityLimiter(concurrency)
     idle: list[_Recording] = []
@@ -220,7 +220,7 @@ def env_server(env_name: str, url: str, *, start_timeout_s: float = 120.0, flavo
 
 def _require_client() -> None:
     try:
-        from common.envclient import EnvClient  # noqa: F401
+        from turnscale.common.envclient import EnvClient  # noqa: F401
     except ImportError:
         raise EvalNotBuilt("turnscale eval: running models needs common/envclient.py, which is not built yet; "
                            "report on recorded episodes with --from-jsonl FILE") from None
@@ -248,8 +248,8 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
     try:
         import trio  # noqa: F401
 
-        from actors.engines import make_engine  # noqa: F401
-        from actors.episode import run_episode  # noqa: F401
+        from turnscale.actors.engines import make_engine  # noqa: F401
+        from turnscale.actors.episode import run_episode  # noqa: F401
     except ImportError as exc:
         raise EvalNotBuilt(f"turnscale eval: running models needs the actor code ({exc.name} is missing)") from None
     models = [(resolve_model_dir(path), label) for path, label in models]
@@ -276,12 +276,12 @@ def run_eval(cfgs: list[Any], models: list[tuple[str, str]], tasks: dict[str, li
 def _run_model(cfg, path, label, plans, split, concurrency, progress, write, pool_factory) -> list[dict]:
     import trio
 
-    from actors.engine import EngineError
-    from actors.engines import make_engine
-    from common.parsing import parser_for
-    from common.prompts import instruction
-    from common.renderer import Renderer
-    from protocol.messages import SamplingParams
+    from turnscale.actors.engine import EngineError
+    from turnscale.actors.engines import make_engine
+    from turnscale.common.parsing import parser_for
+    from turnscale.common.prompts import instruction
+    from turnscale.common.renderer import Renderer
+    from turnscale.protocol.messages import SamplingParams
 
     if os.environ.get("OMP_NUM_THREADS"):
         import torch

@@ -13,8 +13,8 @@ Eval runs each task once: order is kept and duplicates are dropped (first occurr
 
 from __future__ import annotations
 
-from conf import tasks as conf_tasks
-from conf.tasks import TaskSpecError
+from turnscale.conf import tasks as conf_tasks
+from turnscale.conf.tasks import TaskSpecError
 
 __all__ = ["TaskSpecError", "parse_task_spec"]
 

@@ -146,7 +146,7 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     ks = _int_list(args.k, "k")
     out_dir = Path(args.out)
     if overrides:
-        from conf import load
+        from turnscale.conf import load
 
         load(overrides)  # a wrong key or value stops here, named (ConfigError -> exit 2)
     if args.from_jsonl:
@@ -165,7 +165,7 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.concurrency < 1:
         raise EvalError("--concurrency must be >= 1")
 
-    from conf import load
+    from turnscale.conf import load
 
     envs = list(dict.fromkeys(e.strip() for e in (args.env or "").split(",") if e.strip())) or [None]
     if len(envs) > 1 and any(o.lstrip("+").startswith("env.url=") for o in overrides):

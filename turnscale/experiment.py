@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from conf.schema import Config
+from turnscale.conf.schema import Config
 
 ARMS = ("scaling", "short", "long")
 COLLAPSE_WINDOW = 5
@@ -133,7 +133,7 @@ def _success_curve(metrics_path: Path) -> list[float]:
 
 def run_seed(base: Config, seed: int, arms: Sequence[str], eval_turns: Sequence[int], out: Path) -> list[dict]:
     """Warm start once for ``seed``, then each arm's RL and held-out evals; one record per arm."""
-    from learner import checkpoint
+    from turnscale.learner import checkpoint
     from turnscale.launch import Launcher
 
     sdir = out / f"seed-{seed}"
@@ -184,8 +184,8 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    import conf
-    from common.procs import ChildFailed
+    from turnscale import conf
+    from turnscale.common.procs import ChildFailed
     from turnscale.launch import DEFAULT_EXPERIMENT
 
     p = argparse.ArgumentParser(prog="turnscale experiment", description=__doc__.split("\n\n")[0],

@@ -21,7 +21,7 @@ from typing import Iterable
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    from protocol.curve import create_keys
+    from turnscale.protocol.curve import create_keys
 
     ap = argparse.ArgumentParser(prog="turnscale keys", description="Make CURVE key files for a learner and its actors.")
     ap.add_argument("dir", help="folder to write the keys into (created, mode 0700)")

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from conf.schema import Config
-from common.procs import ChildFailed, ProcessGroup, wait_http_ok
+from turnscale.conf.schema import Config
+from turnscale.common.procs import ChildFailed, ProcessGroup, wait_http_ok
 
 DEFAULT_EXPERIMENT = "run_babyai"
 
@@ -40,8 +40,7 @@ DEFAULT_EXPERIMENT = "run_babyai"
 def default_experiment(overrides: Sequence[str]) -> str:
     """``run_<env>`` when the command line names an env that has such an experiment file
     (``turnscale run env=web`` -> ``experiment=run_web``), else ``DEFAULT_EXPERIMENT``."""
-    import conf
-
+    from turnscale import conf
     env = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("env=")), "")
     if env and (Path(conf.__file__).parent / "experiment" / f"run_{env}.yaml").exists():
         return f"run_{env}"
@@ -125,10 +124,10 @@ def run_task_mix(env) -> tuple[Any, str]:
     """``(seeds 'a:b' -> task ids, description)`` of the run's task mix: BabyAI's levels
     (``env.options.levels``) per seed, or every task of each world seed for ``env=web``."""
     if env.name == "web":
-        from envhub.web import seed_task_ids
+        from turnscale.envhub.web import seed_task_ids
 
         return (lambda seeds: seed_task_ids(_range(seeds))), "web sites (every template per world seed)"
-    from envhub.babyai import run_levels
+    from turnscale.envhub.babyai import run_levels
 
     levels = run_levels(env.options)
     return (lambda seeds: task_ids(levels, seeds)), f"{len(levels)} BabyAI levels"
@@ -188,7 +187,7 @@ class Launcher:
 
     # 1-2
     def prepare(self) -> tuple[dict[str, str], str, str]:
-        from common.tinymodel import ensure_model
+        from turnscale.common.tinymodel import ensure_model
         from turnscale.warmstart import corpus_from_conversations, oracle_conversations, write_conversations
 
         rc, env = self.cfg.run, self.cfg.env
@@ -210,7 +209,7 @@ class Launcher:
 
     # 3
     def warm_start(self, model_path: str, sft_path: str) -> str:
-        from learner import checkpoint
+        from turnscale.learner import checkpoint
 
         ws = self.cfg.run.warm_start
         out = self.dir / "warmstart"
@@ -232,7 +231,7 @@ class Launcher:
         """The env server's URL: ``env.url`` when set (a server already running, e.g. AgentGym's
         own with ``env.options.flavor=agentgym``), else a local envhub started with the run's
         ``env.options``."""
-        from protocol.transport import free_port
+        from turnscale.protocol.transport import free_port
 
         if self.cfg.env.url:
             self.say(f"env server {self.cfg.env.url} ({self.cfg.env.client_flavor}), not started here")
@@ -266,7 +265,7 @@ class Launcher:
 
     # 5
     def rl(self, init_from: str, files: dict[str, str], env_url: str) -> Path:
-        from protocol.transport import free_port
+        from turnscale.protocol.transport import free_port
 
         lc = self.cfg.learner
         ldir = self.dir / "learner"
@@ -288,7 +287,7 @@ class Launcher:
         return ldir
 
     def follow(self, learner, metrics_path: Path) -> None:
-        from learner.metrics import format_progress
+        from turnscale.learner.metrics import format_progress
 
         seen, last_print = 0, 0.0
         every = self.cfg.logger.console_every_s
@@ -329,7 +328,7 @@ def held_out_success(doc: dict, turn_limit: int | None = None) -> dict:
 
 
 def run(cfg: Config) -> int:
-    from learner import checkpoint
+    from turnscale.learner import checkpoint
     from turnscale.report import summary_table, write_plots
 
     launcher = Launcher(cfg)
@@ -394,8 +393,7 @@ def _exit_on_signals() -> dict[int, Any]:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    import conf
-
+    from turnscale import conf
     overrides = list(argv)
     if not any(o.lstrip("+").startswith("experiment=") for o in overrides):
         overrides.insert(0, f"experiment={default_experiment(overrides)}")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from conf.schema import Config
-from envhub.corpus import play_texts
-from learner import main as learner_main
+from turnscale.conf.schema import Config
+from turnscale.envhub.corpus import play_texts
+from turnscale.learner import main as learner_main
 
 
 def env_corpus(cfg: Config, episodes: int = 24) -> list[str]:

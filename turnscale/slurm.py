@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from conf.schema import Config, PoolConfig, SlurmConfig
+from turnscale.conf.schema import Config, PoolConfig, SlurmConfig
 
 
 def _q(args: Iterable[str]) -> str:
@@ -212,8 +212,7 @@ class SlurmBackend:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    import conf
-
+    from turnscale import conf
     args = list(sys.argv[1:] if argv is None else argv)
     dry = "--dry-run" in args
     overrides = [a for a in args if a != "--dry-run"]

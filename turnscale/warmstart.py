@@ -13,12 +13,12 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from common.prompts import initial_messages, instruction
+from turnscale.common.prompts import initial_messages, instruction
 
 
 def assistant_text(env: str, action: str) -> str:
     """An action as the model writes it in ``env``'s action format (``conf.envs``)."""
-    from conf.envs import env_spec
+    from turnscale.conf.envs import env_spec
 
     fmt = env_spec(env).action_format
     if fmt == "backticks":
@@ -32,13 +32,13 @@ def oracle_runs(env: str, task_ids: Sequence[int], *, max_turns: int, options: d
     """``(data_idx, [(observation, action), ...], success, return, category)`` per task, played
     by the env's built-in oracle (BabyAI's, or ``env=web``'s scripted solver)."""
     if env == "web":
-        from envhub.web import play_oracle as play_web
+        from turnscale.envhub.web import play_oracle as play_web
 
         yield from play_web(list(task_ids), max_turns, options)
         return
     if env != "babyai":
         raise ValueError(f"env {env!r} has no built-in oracle; give recorded conversations to algo=sft instead")
-    from envhub.babyai import play_oracle
+    from turnscale.envhub.babyai import play_oracle
 
     for idx in task_ids:
         run = play_oracle(idx, max_turns)

@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 
 from tests.envhub_proc import free_port
-from common.procs import stop_process
+from turnscale.common.procs import stop_process
 
 __all__ = ["free_port", "serve"]
 

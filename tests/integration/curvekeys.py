@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from protocol.curve import KeySet, create_keys
+from turnscale.protocol.curve import KeySet, create_keys
 
 
 def make_keys(keys_dir: str, actors: int = 2) -> KeySet:

@@ -9,9 +9,9 @@ import torch
 
 torch.set_num_threads(1)
 
-from conf.schema import Config  # noqa: E402
-from benchmarks.synthetic import synthetic_groups  # noqa: E402
-from learner.trainer import Trainer  # noqa: E402
+from turnscale.conf.schema import Config  # noqa: E402
+from turnscale.benchmarks.synthetic import synthetic_groups  # noqa: E402
+from turnscale.learner.trainer import Trainer  # noqa: E402
 
 
 def batches(steps: int):

@@ -19,9 +19,9 @@ from typing import Any, Callable
 import trio
 import zmq
 
-from protocol import codec
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from turnscale.protocol import codec
+from turnscale.protocol.errors import ProtocolError
+from turnscale.protocol.messages import (
     EnvEndpoint,
     ErrorReply,
     Goodbye,
@@ -38,13 +38,13 @@ from protocol.messages import (
     TrajectoryGroup,
     Welcome,
 )
-from protocol.transport import AsyncSocket, configure, free_port, split_router_frames
+from turnscale.protocol.transport import AsyncSocket, configure, free_port, split_router_frames
 
 
 class StandInLearner:
     def __init__(self, *, model_path: str, env_url: str, state_dict: dict, group_size: int = 2, turn_limit: int = 2,
                  max_new_tokens: int = 12, heartbeat_s: float = 0.5, announce_every_s: float = 0.3) -> None:
-        from learner.weights import WeightPublisher
+        from turnscale.learner.weights import WeightPublisher
 
         self.port, self.pub_port, self.weights_port = free_port(), free_port(), free_port()
         self.model_path, self.env_url, self.state_dict = model_path, env_url, state_dict

@@ -27,7 +27,7 @@ is out within ~``2 * stop_timeout_s``; half of KillWait leaves room for a loaded
 
 def _defaults(c: Cluster) -> None:
     """The actor's own timeouts back to the shipped defaults (the cluster fixture shortens them)."""
-    from conf.schema import ActorConfig
+    from turnscale.conf.schema import ActorConfig
 
     d = ActorConfig()
     c.common += [f"actor.request_timeout_s={d.request_timeout_s}", f"actor.shutdown_grace_s={d.shutdown_grace_s}"]

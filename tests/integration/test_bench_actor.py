@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import actor
+from turnscale.benchmarks import actor
 
 
 def test_bench_actor_reports_actor_over_bare_engine_ratio(tiny_model_dir, capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROLES = ("envhub.main", "learner.main", "actors.main")
+ROLES = ("turnscale.envhub.main", "turnscale.learner.main", "turnscale.actors.main")
 
 
 def _missing_roles() -> list[str]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cluster.netns import available
+from turnscale.cluster.netns import available
 
 
 @pytest.mark.slow

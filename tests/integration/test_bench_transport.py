@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from benchmarks.transport import make_group
-from protocol import codec
+from turnscale.benchmarks.transport import make_group
+from turnscale.protocol import codec
 
 KEYS = {"name", "value", "unit", "baseline", "baseline_value", "ratio", "target", "ok"}
 

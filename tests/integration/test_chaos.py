@@ -35,8 +35,8 @@ def grants(log: str) -> list[tuple[str, int]]:
 
 def stream_positions(common: list[str]) -> dict[int, int]:
     """data_idx -> position in epoch 0 of the run's task stream."""
-    import conf
-    from learner.tasks import TaskStream, parse_task_spec
+    from turnscale import conf
+    from turnscale.learner.tasks import TaskStream, parse_task_spec
 
     cfg = conf.load(common)
     tasks = parse_task_spec(cfg.env.tasks.train, cfg.env.name, "train")

@@ -10,10 +10,10 @@ import os
 import pytest
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.curve import create_keys, create_pair, load_secret
-from protocol.transport import configure, free_port, tcp_endpoint
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.curve import create_keys, create_pair, load_secret
+from turnscale.protocol.transport import configure, free_port, tcp_endpoint
 from tests.envhub_proc import envhub_server
 from tests.integration.curvekeys import curve_overrides
 from tests.integration.test_learner_e2e import TINY, end, read_jsonl, start, wait_exit

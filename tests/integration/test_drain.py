@@ -13,7 +13,7 @@ from tests.integration.test_failures import Cluster, check_groups, check_ledger,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_drained_actor_finishes_its_groups_and_exits_while_training_goes_on(cluster_factory):
-    from protocol.messages import ControlRequest
+    from turnscale.protocol.messages import ControlRequest
     from turnscale.control import LearnerControl
 
     c: Cluster = cluster_factory()

@@ -9,8 +9,8 @@ import shutil
 import httpx
 import pytest
 
-from envhub import searchqa_data
-from envhub.textcraft import RecipeBook, solve
+from turnscale.envhub import searchqa_data
+from turnscale.envhub.textcraft import RecipeBook, solve
 
 from tests.envhub_proc import envhub_server
 
@@ -122,7 +122,7 @@ def test_concurrent_textcraft_episodes_through_the_actor_client(textcraft):
     """16 trio tasks, one instance each, solve different goals at once: no cross-talk."""
     import trio
 
-    from common.envclient import EnvClient
+    from turnscale.common.envclient import EnvClient
 
     book = RecipeBook()
     ids = [0, 60, 130, 200, 260, 330, 400, 415, 420, 450, 480, 510, 532, 533, 540, 543]

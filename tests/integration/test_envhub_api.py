@@ -98,8 +98,8 @@ def test_metrics_count_instances_steps_errors_latency(server):
 def test_64_concurrent_episodes_do_not_cross_talk(server):
     import trio
 
-    from envhub.babyai import BabyAIFamily
-    from common.envclient import EnvClient
+    from turnscale.envhub.babyai import BabyAIFamily
+    from turnscale.common.envclient import EnvClient
 
     script = ["turn left", "move forward", "turn right", "move forward", "check available actions", "move forward"]
     expected = {}
@@ -182,7 +182,7 @@ def test_instance_limit_and_idle_expiry():
 
 def test_sigterm_exits_cleanly():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "envhub", "env=babyai", "host=127.0.0.1", f"port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "turnscale.envhub", "env=babyai", "host=127.0.0.1", f"port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
         os.kill(proc.pid, signal.SIGTERM)

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
-from common.envclient import EnvClient, EnvConnectionLost, EnvHTTPError, EnvNotFound, EnvTimeout, EnvUnavailable
+from turnscale.common.envclient import EnvClient, EnvConnectionLost, EnvHTTPError, EnvNotFound, EnvTimeout, EnvUnavailable
 from tests.envhub_proc import free_port
 
 

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("minigrid")
 
-from benchmarks.envhub_launch import free_port, stop, wait_healthy
+from turnscale.benchmarks.envhub_launch import free_port, stop, wait_healthy
 
 HOST = "127.0.0.1"
 

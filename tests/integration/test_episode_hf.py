@@ -13,14 +13,14 @@ import torch
 import trio
 from transformers import AutoTokenizer
 
-from actors.engines import make_engine
-from actors.episode import run_group
-from common.parsing import ParseResult
-from common.renderer import Renderer
-from conf.schema import EngineConfig
-from protocol import codec
-from protocol.messages import Lease, SamplingParams, Task
-from common.logprobs import token_logprobs
+from turnscale.actors.engines import make_engine
+from turnscale.actors.episode import run_group
+from turnscale.common.parsing import ParseResult
+from turnscale.common.renderer import Renderer
+from turnscale.conf.schema import EngineConfig
+from turnscale.protocol import codec
+from turnscale.protocol.messages import Lease, SamplingParams, Task
+from turnscale.common.logprobs import token_logprobs
 
 
 class ScriptedEnv:

@@ -96,7 +96,7 @@ def test_eval_with_an_unreachable_env_url_fails_with_a_clear_message(tmp_path, t
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("envhub.textcraft") is None, reason="the TextCraft env family is not in this build")
+@pytest.mark.skipif(importlib.util.find_spec("turnscale.envhub.textcraft") is None, reason="the TextCraft env family is not in this build")
 def test_eval_runs_two_env_families_in_one_report(tmp_path, tiny_model_dir):
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "turnscale", "eval", "--model", f"{tiny_model_dir}=tiny", "--env", "babyai,textcraft",
@@ -113,7 +113,7 @@ def test_eval_runs_two_env_families_in_one_report(tmp_path, tiny_model_dir):
 
 
 def test_eval_with_an_engine_that_is_not_installed_says_so(tmp_path, tiny_model_dir):
-    pytest.importorskip("actors.engine")
+    pytest.importorskip("turnscale.actors.engine")
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     cmd = [sys.executable, "-m", "turnscale", "eval", "--model", tiny_model_dir, "--tasks", "0:1", "--out", str(tmp_path), "engine=vllm"]

@@ -28,9 +28,9 @@ from typing import Callable
 
 import pytest
 
-from protocol.messages import TRAINABLE_FINISH_REASONS
-from protocol.transport import free_port
-from common.procs import Child, ProcessGroup, wait_http_ok
+from turnscale.protocol.messages import TRAINABLE_FINISH_REASONS
+from turnscale.protocol.transport import free_port
+from turnscale.common.procs import Child, ProcessGroup, wait_http_ok
 
 GROUP_SIZE = 2
 GROUPS_PER_STEP = 2
@@ -296,8 +296,8 @@ def checkpoints(root: Path) -> dict[int, dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkilled_learner_resumes_from_checkpoint_and_actors_reconnect(cluster_factory):
-    import conf
-    from learner.tasks import TaskStream, parse_task_spec
+    from turnscale import conf
+    from turnscale.learner.tasks import TaskStream, parse_task_spec
 
     c = cluster_factory("learner.checkpoint_every=1", "learner.keep_checkpoints=100")
     try:

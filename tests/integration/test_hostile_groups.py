@@ -19,12 +19,12 @@ import pytest
 import trio
 import zmq
 
-from protocol import codec
-from protocol.messages import GroupAck, Hello, LeaseGrant, LeaseRequest, TrajectoryGroup, Welcome
-from protocol.transport import AsyncSocket, Requester, configure, free_port
+from turnscale.protocol import codec
+from turnscale.protocol.messages import GroupAck, Hello, LeaseGrant, LeaseRequest, TrajectoryGroup, Welcome
+from turnscale.protocol.transport import AsyncSocket, Requester, configure, free_port
 from tests.integration.test_failures import rss_mb
 from tests.unit.fakes import make_episode
-from common.procs import ProcessGroup
+from turnscale.common.procs import ProcessGroup
 
 VOCAB = 1024
 CONTEXT = 256
@@ -151,7 +151,7 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
     forged group for another actor's lease, lease hoarding, huge ids, an oversize multipart
     message.  The real actor's leases survive every attack and its group is accepted; the
     learner stays up and bounded."""
-    from protocol.messages import Goodbye, Heartbeat, HeartbeatAck
+    from turnscale.protocol.messages import Goodbye, Heartbeat, HeartbeatAck
 
     ports = [free_port() for _ in range(3)]
     procs = ProcessGroup(tmp_path / "logs", "turnscale")

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-import conf
-from protocol.transport import free_port
+from turnscale import conf
+from turnscale.protocol.transport import free_port
 from tests.envhub_proc import envhub_server
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from cluster.netns import Cluster, available, leftovers
+from turnscale.cluster.netns import Cluster, available, leftovers
 from tests.integration.curvekeys import curve_overrides, make_keys
 from tests.integration.test_learner_e2e import TINY, read_jsonl, wait_exit
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cluster.netns import Cluster, available, leftovers
+from turnscale.cluster.netns import Cluster, available, leftovers
 
 _ok, _why = available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"test cluster unavailable: {_why}")
@@ -174,7 +174,7 @@ def test_cleanup_command_removes_a_crashed_cluster():
     try:
         p = c.spawn("a", ["sleep", "120"])
         assert len(leftovers(c.prefix)) == 5  # 2 namespaces, bridge, 2 veths (root side)
-        r = subprocess.run([PY, "-m", "cluster.netns", "--cleanup", c.prefix], capture_output=True, text=True,
+        r = subprocess.run([PY, "-m", "turnscale.cluster.netns", "--cleanup", c.prefix], capture_output=True, text=True,
                            timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         assert r.returncode == 0, r.stderr
         assert not leftovers(c.prefix)
@@ -205,4 +205,4 @@ def test_unclosed_cluster_is_torn_down_at_exit_and_on_sigterm():
         if p.poll() is None:
             p.kill()
             p.wait(timeout=10)
-        subprocess.run([PY, "-m", "cluster.netns", "--cleanup", f"tsy{tag}"], timeout=60, cwd=root)
+        subprocess.run([PY, "-m", "turnscale.cluster.netns", "--cleanup", f"tsy{tag}"], timeout=60, cwd=root)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from protocol.transport import free_port
+from turnscale.protocol.transport import free_port
 from tests.envhub_proc import envhub_server
 from tests.integration.test_learner_e2e import TINY, end, read_jsonl, start, wait_exit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conf.schema import EnvConfig
-from envhub.retrieval import HttpRetriever, RetrieverError
-from envhub.searchqa import make_family
+from turnscale.conf.schema import EnvConfig
+from turnscale.envhub.retrieval import HttpRetriever, RetrieverError
+from turnscale.envhub.searchqa import make_family
 
 from ._serve import free_port, serve
 
@@ -17,7 +17,7 @@ pytest.importorskip("bm25s")
 @pytest.fixture(scope="module")
 def retrieval_url():
     port = free_port()
-    with serve(["-m", "envhub.retrieval_server", "--port", str(port)], f"http://127.0.0.1:{port}/health"):
+    with serve(["-m", "turnscale.envhub.retrieval_server", "--port", str(port)], f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}/retrieve"
 
 

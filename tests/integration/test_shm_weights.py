@@ -21,13 +21,13 @@ import torch
 import trio
 import zmq
 
-from actors.weight_sync import PullReport, ReceiveBuffer, drop_segment_readers, pull_weights, pull_weights_blocking
-from learner.weights import WeightPublisher
-from protocol import codec
-from protocol.errors import RemoteError
-from protocol.messages import WeightManifest
-from protocol.shmweights import HEADER_BYTES, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
-from protocol.transport import AsyncSocket, configure
+from turnscale.actors.weight_sync import PullReport, ReceiveBuffer, drop_segment_readers, pull_weights, pull_weights_blocking
+from turnscale.learner.weights import WeightPublisher
+from turnscale.protocol import codec
+from turnscale.protocol.errors import RemoteError
+from turnscale.protocol.messages import WeightManifest
+from turnscale.protocol.shmweights import HEADER_BYTES, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
+from turnscale.protocol.transport import AsyncSocket, configure
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -153,18 +153,18 @@ _PEER = r'''
 import base64, os, signal, sys, time
 import torch
 torch.set_num_threads(1)
-from protocol import codec
-from protocol.messages import WeightManifest
+from turnscale.protocol import codec
+from turnscale.protocol.messages import WeightManifest
 role = sys.argv[1]
 if role == "publish":
-    from learner.weights import WeightPublisher
+    from turnscale.learner.weights import WeightPublisher
     pub = WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.25, dtype="float32", shm=True)
     m = pub.publish(1, {"w": torch.arange(300_000, dtype=torch.float32)})
     ref = pub.segment_ref(1)
     print(pub.endpoint, ref.path, ref.token, base64.b64encode(bytes(codec.encode(m)[0])).decode(), flush=True)
 else:
-    from actors.weight_sync import PullReport, pull_weights_blocking
-    from protocol.shmweights import SegmentRef
+    from turnscale.actors.weight_sync import PullReport, pull_weights_blocking
+    from turnscale.protocol.shmweights import SegmentRef
     endpoint, path, token, blob = sys.argv[2:6]
     m = codec.decode([base64.b64decode(blob)], expect=WeightManifest)
     r = PullReport()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.slurm import FakeSlurm, Node, available
-from protocol.transport import free_port
+from turnscale.cluster.slurm import FakeSlurm, Node, available
+from turnscale.protocol.transport import free_port
 from tests.conftest import REPO_ROOT
 from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
 

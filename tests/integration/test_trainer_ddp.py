@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-from benchmarks.synthetic import build_tiny_model
-from learner.trainer import Trainer
-from protocol.transport import free_port
+from turnscale.benchmarks.synthetic import build_tiny_model
+from turnscale.learner.trainer import Trainer
+from turnscale.protocol.transport import free_port
 from tests.integration import ddp_worker
 
 

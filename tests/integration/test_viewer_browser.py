@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.sample_runs import write_run_dir
-from common.procs import stop_process
+from turnscale.common.procs import stop_process
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/setup.sh installs it as root)")

@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from envhub.web import WebFamily
-from envhub.web_browser import MAX_TABS, BrowserBroken
-from envhub.web_tasks import TEMPLATES, task
+from turnscale.envhub.web import WebFamily
+from turnscale.envhub.web_browser import MAX_TABS, BrowserBroken
+from turnscale.envhub.web_tasks import TEMPLATES, task
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (scripts/setup.sh installs it as root)")
@@ -205,7 +205,7 @@ def test_eight_concurrent_instances_stay_within_the_memory_budget(fresh_family):
 @pytest.mark.slow
 def test_oracle_solves_at_least_95_percent_of_every_task_of_sampled_world_seeds():
     """Every task (all eight templates, 40 per seed) of two train and two held-out world seeds."""
-    from envhub.web import play_oracle, seed_task_ids
+    from turnscale.envhub.web import play_oracle, seed_task_ids
 
     ids = seed_task_ids([0, 57, 100, 109])
     results = {idx: success for idx, _steps, success, _ret, _tpl in play_oracle(ids, MAX_TURNS)}

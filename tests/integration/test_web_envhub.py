@@ -10,9 +10,9 @@ import httpx
 import pytest
 import trio
 
-from common.envclient import EnvClient
-from conf.schema import EnvConfig
-from envhub.webarena import make_family as webarena_family
+from turnscale.common.envclient import EnvClient
+from turnscale.conf.schema import EnvConfig
+from turnscale.envhub.webarena import make_family as webarena_family
 from tests.envhub_proc import envhub_server
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"),

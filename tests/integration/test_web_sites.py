@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from envhub.web import SiteProcess
-from envhub.web_data import world
+from turnscale.envhub.web import SiteProcess
+from turnscale.envhub.web_data import world
 
 
 @pytest.fixture(scope="module")

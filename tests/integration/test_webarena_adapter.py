@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conf.schema import EnvConfig
-from envhub.webarena import UpstreamError, make_family
+from turnscale.conf.schema import EnvConfig
+from turnscale.envhub.webarena import UpstreamError, make_family
 
 from ._serve import free_port, serve
 

@@ -9,12 +9,12 @@ import torch
 import trio
 import zmq
 
-from actors.weight_sync import ChecksumMismatch, ReceiveBuffer, WeightSyncError, pull_weights, pull_weights_blocking
-from learner.weights import WeightPublisher
-from protocol import checksums, codec
-from protocol.errors import RemoteError
-from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
-from protocol.transport import AsyncSocket, configure, free_port
+from turnscale.actors.weight_sync import ChecksumMismatch, ReceiveBuffer, WeightSyncError, pull_weights, pull_weights_blocking
+from turnscale.learner.weights import WeightPublisher
+from turnscale.protocol import checksums, codec
+from turnscale.protocol.errors import RemoteError
+from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
+from turnscale.protocol.transport import AsyncSocket, configure, free_port
 
 
 def state_dict(seed=0):
@@ -154,9 +154,9 @@ def test_pull_from_a_silent_endpoint_fails_within_its_bounds():
 def test_trained_weights_published_and_pulled_give_the_same_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from conf.schema import Config
-    from benchmarks.synthetic import build_tiny_model, synthetic_groups
-    from learner.trainer import Trainer
+    from turnscale.conf.schema import Config
+    from turnscale.benchmarks.synthetic import build_tiny_model, synthetic_groups
+    from turnscale.learner.trainer import Trainer
 
     path = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
     cfg = Config()

@@ -15,10 +15,10 @@ import pytest
 import trio
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import RemoteError
-from protocol.transport import AsyncSocket, Requester, SocketLimits, configure, tcp_endpoint
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.errors import RemoteError
+from turnscale.protocol.transport import AsyncSocket, Requester, SocketLimits, configure, tcp_endpoint
 from tests.integration.zmq_peer import digest
 
 pytestmark = pytest.mark.timeout(120)

@@ -23,10 +23,10 @@ import sys
 import trio
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ProtocolError
-from protocol.transport import AsyncSocket, SocketLimits, configure, split_router_frames
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.errors import ProtocolError
+from turnscale.protocol.transport import AsyncSocket, SocketLimits, configure, split_router_frames
 
 
 def digest(group: m.TrajectoryGroup) -> str:

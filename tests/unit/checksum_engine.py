@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from actors.engine import FINISH_LENGTH, EngineError, GenerateResult, Pending, ThreadedEngine
+from turnscale.actors.engine import FINISH_LENGTH, EngineError, GenerateResult, Pending, ThreadedEngine
 
 
 def weights_token(w: np.ndarray) -> int:
@@ -61,7 +61,7 @@ class ChecksumEngine(ThreadedEngine):
 
     # -- weights -------------------------------------------------------------------------
     def weights_digest(self, names, dtype: str, algo: str) -> dict[str, int]:
-        from actors.engine import tensor_digest
+        from turnscale.actors.engine import tensor_digest
 
         return tensor_digest({"w": self.w.copy()}, dtype, algo)
 

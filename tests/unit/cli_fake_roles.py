@@ -5,8 +5,7 @@ from __future__ import annotations
 
 
 def main(argv: list[str]) -> int:
-    import conf
-
+    from turnscale import conf
     conf.load(argv)
     print("config ok")
     return 0

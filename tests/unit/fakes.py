@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.messages import Episode, Lease, Task, TrajectoryGroup, Turn
+from turnscale.protocol.messages import Episode, Lease, Task, TrajectoryGroup, Turn
 
 
 def make_episode(*, version: int = 0, turn_limit: int = 10, reward: float = 1.0, success: bool = True,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import messages as m
+from turnscale.protocol import messages as m
 
 
 def episode(n_tokens: int = 40, *, seed: int = 0, turn_limit: int = 5, finish_reason: str = "done", big: bool = False) -> m.Episode:

@@ -9,11 +9,11 @@ import numpy as np
 import trio
 import zmq
 
-from actors.actor import Actor, ActorDeps, Runtime
-from actors.engine import GenerateRequest
-from learner.registry import ActorInfo
-from learner.service import LearnerService, ServiceParts
-from protocol.messages import SamplingParams
+from turnscale.actors.actor import Actor, ActorDeps, Runtime
+from turnscale.actors.engine import GenerateRequest
+from turnscale.learner.registry import ActorInfo
+from turnscale.learner.service import LearnerService, ServiceParts
+from turnscale.protocol.messages import SamplingParams
 from tests.unit.checksum_engine import ChecksumEngine, version_weights, weights_token
 from tests.unit.fakes import make_group
 from tests.unit.test_learner_service import FakePublisher, FakeSchedule, FakeTrainer, make_cfg
@@ -297,7 +297,7 @@ def test_killed_actor_loses_nothing_its_leases_expire_and_are_reissued():
 
 def _episode_from_results(results, turn_limit):
     """An episode whose sampled tokens are exactly the engine's outputs (prompt of 4 tokens)."""
-    from protocol.messages import Episode
+    from turnscale.protocol.messages import Episode
 
     ids, mask, vers = [1, 2, 3, 4], [0] * 4, [-1] * 4
     for r in results:
@@ -318,7 +318,7 @@ def test_every_sampled_token_is_labelled_with_the_version_whose_weights_produced
     """Back-to-back publications (a step every few ms) through the real Actor weight path
     into an engine whose swap is deferred and slow: no token is ever sampled from torn
     weights, and every token's version names exactly the weights that produced it."""
-    from protocol.messages import TrajectoryGroup
+    from turnscale.protocol.messages import TrajectoryGroup
 
     cfg = make_cfg(**{"learner.steps": 12, "learner.max_staleness": 2, "actor.max_groups": 3, "learner.groups_per_step": 1,
                       "learner.heartbeat_interval_s": 0.05})
@@ -398,9 +398,9 @@ def test_after_a_resume_from_an_older_checkpoint_the_actor_samples_only_the_resu
     import torch
     import zmq
 
-    from actors.weight_sync import ReceiveBuffer, pull_weights
-    from learner.weights import WeightPublisher
-    from protocol.messages import TrajectoryGroup
+    from turnscale.actors.weight_sync import ReceiveBuffer, pull_weights
+    from turnscale.learner.weights import WeightPublisher
+    from turnscale.protocol.messages import TrajectoryGroup
     from tests.unit.test_learner_service import MemCheckpointer
 
     cfg = make_cfg(**{"learner.steps": 1000, "learner.max_staleness": 1, "learner.groups_per_step": 1,
@@ -539,8 +539,8 @@ def test_actor_that_connects_after_the_run_ended_is_told_on_its_hello_and_exits_
     during shutdown is now answered ``Shutdown``."""
     import zmq
 
-    from protocol.messages import Goodbye, Hello, LeaseRequest
-    from protocol.transport import AsyncSocket, Requester, configure
+    from turnscale.protocol.messages import Goodbye, Hello, LeaseRequest
+    from turnscale.protocol.transport import AsyncSocket, Requester, configure
     from tests.unit.test_learner_service import _wait_for
 
     cfg = make_cfg(**{"learner.steps": 1, "learner.max_staleness": 1})

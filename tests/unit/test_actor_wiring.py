@@ -1,4 +1,4 @@
-"""actors.main's wiring: the GroupPlayer plays a lease's group; build_actor hands the Actor
+"""turnscale.actors.main's wiring: the GroupPlayer plays a lease's group; build_actor hands the Actor
 typed parts (a RuntimeBuilder whose players stamp the actor's id and follow its latest Welcome)."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import dataclasses
 import pytest
 import trio
 
-import conf
-from actors.actor import Actor, Runtime
-from actors.main import GroupPlayer, RuntimeBuilder, build_actor, env_client, new_receive_buffer, pull_into
-from common.prompts import instruction
-from common.renderer import Renderer
-from protocol.messages import EnvEndpoint, Lease, PolicyAnnouncement, SamplingParams, Task, Welcome
+from turnscale import conf
+from turnscale.actors.actor import Actor, Runtime
+from turnscale.actors.main import GroupPlayer, RuntimeBuilder, build_actor, env_client, new_receive_buffer, pull_into
+from turnscale.common.prompts import instruction
+from turnscale.common.renderer import Renderer
+from turnscale.protocol.messages import EnvEndpoint, Lease, PolicyAnnouncement, SamplingParams, Task, Welcome
 from tests.unit.test_episode import SP, FakeEngine, FakeEnv
 from tests.conftest import tiny_corpus
-from common.tinymodel import build_tokenizer
+from turnscale.common.tinymodel import build_tokenizer
 
 
 @pytest.fixture(scope="module")

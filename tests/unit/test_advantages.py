@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner import advantages as A
+from turnscale.learner import advantages as A
 
 
 def test_grpo_normalises_by_group_mean_and_unbiased_std():

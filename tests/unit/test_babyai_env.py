@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("minigrid")
 
-from envhub.babyai import LEVELS, BabyAIEnv, View, find_path, normalise_action, task_for
+from turnscale.envhub.babyai import LEVELS, BabyAIEnv, View, find_path, normalise_action, task_for
 
 
 def test_forty_agentgym_levels_map_by_modulo_and_seed():
@@ -128,7 +128,7 @@ walls only (27), a BossLevel mission with "and" rewrites (38)."""
 
 @pytest.mark.parametrize("data_idx", sorted(AGENTGYM_FIRST_OBSERVATIONS))
 def test_agentgym_text_first_observation_is_byte_identical(data_idx):
-    from envhub.babyai import BabyAIFamily
+    from turnscale.envhub.babyai import BabyAIFamily
 
     assert BabyAIFamily().create().reset(data_idx).observation == AGENTGYM_FIRST_OBSERVATIONS[data_idx]
 
@@ -140,7 +140,7 @@ def test_goto_obj_s6_v0_is_the_room_size_4_level_agentgym_builds():
 
 
 def test_agentgym_text_steps_with_its_action_map_and_messages():
-    from envhub.babyai import BabyAIFamily
+    from turnscale.envhub.babyai import BabyAIFamily
 
     env = BabyAIFamily(text="agentgym").create()
     env.reset(3)
@@ -153,8 +153,8 @@ def test_agentgym_text_steps_with_its_action_map_and_messages():
 
 
 def test_clean_text_is_an_option_and_unknown_texts_are_refused():
-    from conf.schema import EnvConfig
-    from envhub.babyai import make_family
+    from turnscale.conf.schema import EnvConfig
+    from turnscale.envhub.babyai import make_family
 
     clean = make_family(EnvConfig(name="babyai", options={"text": "clean"})).create()
     obs = clean.reset(27).observation

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
+from turnscale.learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
 
 
 @settings(max_examples=200, deadline=None)

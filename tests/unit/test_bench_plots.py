@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.common import result
-from benchmarks.plots import plot_results
+from turnscale.benchmarks.common import result
+from turnscale.benchmarks.plots import plot_results
 
 
 def test_plot_results_writes_a_png_with_every_figure(tmp_path):

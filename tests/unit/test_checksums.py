@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocol import checksums
+from turnscale.protocol import checksums
 
 
 def test_check_values_of_the_standard_algorithms():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ProtocolError
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.errors import ProtocolError
 from tests.unit.message_examples import all_examples, assert_same, episode, examples, group
 
 ALL = all_examples()
@@ -387,8 +387,8 @@ def test_encode_refuses_values_msgpack_cannot_hold():
 def test_no_pickle_in_the_codec():
     import inspect
 
-    import protocol.codec as c
-    import protocol.transport as t
+    import turnscale.protocol.codec as c
+    import turnscale.protocol.transport as t
 
     for mod in (c, t, m):
         src = inspect.getsource(mod)

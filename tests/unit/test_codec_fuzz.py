@@ -17,9 +17,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ProtocolError
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.errors import ProtocolError
 from tests.unit.message_examples import all_examples, assert_same, episode
 
 SEED = 20251129

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ProtocolError
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.errors import ProtocolError
 from tests.unit.message_examples import assert_same, episode
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,7 +1,7 @@
 import pytest
 
-import conf
-from conf.schema import Config
+from turnscale import conf
+from turnscale.conf.schema import Config
 
 GROUPS = {
     "env": ["babyai", "textcraft", "sciworld", "searchqa", "webarena", "web"],
@@ -70,7 +70,7 @@ def test_keys_no_yaml_sets_can_be_overridden_without_plus():
 
 
 def test_babyai_level_mix_is_an_env_option_and_the_old_key_names_the_new_one():
-    from envhub.babyai import RUN_LEVELS, run_levels
+    from turnscale.envhub.babyai import RUN_LEVELS, run_levels
 
     assert run_levels(conf.load([]).env.options) == RUN_LEVELS
     assert run_levels(conf.load(["experiment=run_babyai"]).env.options) == [0, 1, 2, 3, 4]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from benchmarks.cpuprobe import CpuSample, cores_between, machine_busy_s, proc_cpu_s, sample, tree_cpu_s
+from turnscale.benchmarks.cpuprobe import CpuSample, cores_between, machine_busy_s, proc_cpu_s, sample, tree_cpu_s
 
 
 def test_cores_between_uses_the_samples_around_the_window():

@@ -17,14 +17,14 @@ import trio
 import zmq
 import zmq.auth
 
-import conf
-from actors.actor import EXIT_CURVE_REFUSED
-from common.curve import CurveConfigError, actor_curve, curve_on, learner_curve
-from learner.service import LearnerService, ServiceParts
-from protocol import codec
-from protocol import messages as m
-from protocol.curve import ZapAuthenticator, create_keys, create_pair, is_loopback, load_authorized, load_secret
-from protocol.transport import AsyncSocket, Requester, configure, tcp_endpoint
+from turnscale import conf
+from turnscale.actors.actor import EXIT_CURVE_REFUSED
+from turnscale.common.curve import CurveConfigError, actor_curve, curve_on, learner_curve
+from turnscale.learner.service import LearnerService, ServiceParts
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.curve import ZapAuthenticator, create_keys, create_pair, is_loopback, load_authorized, load_secret
+from turnscale.protocol.transport import AsyncSocket, Requester, configure, tcp_endpoint
 from tests.integration.curvekeys import curve_overrides
 from tests.unit.checksum_engine import ChecksumEngine
 from tests.unit.test_actor_loop import SIZE, FakeEnvClient, make_actor
@@ -169,7 +169,7 @@ def test_zap_admits_authorized_keys_logs_refusals_and_rereads_the_folder(tmp_pat
     ctx = zmq.Context()
     auth = ZapAuthenticator(ctx, ks.authorized, logging.getLogger("test.zap"))
     try:
-        from protocol.transport import CurveKeys
+        from turnscale.protocol.transport import CurveKeys
 
         router = configure(ctx.socket(zmq.ROUTER), curve=CurveKeys(lpub, lsec), server=True)
         port = router.bind_to_random_port("tcp://127.0.0.1")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import conf
-from benchmarks import e2e
-from benchmarks.e2e_stats import group_costs, load_run, read_jsonl, summarize
-from envhub.simwork import SimWorkload
+from turnscale import conf
+from turnscale.benchmarks import e2e
+from turnscale.benchmarks.e2e_stats import group_costs, load_run, read_jsonl, summarize
+from turnscale.envhub.simwork import SimWorkload
 
 
 def _episode(lease: str, i: int, turns: list[tuple[float, float, int]], accepted: bool = True, data_idx: int = 3) -> dict:
@@ -113,7 +113,7 @@ def test_actor_engine_busy_and_weight_sync_come_from_the_logged_actor_counters()
 
 
 def test_learner_logs_the_sum_of_actor_counters():
-    from learner.metrics import StepMetrics, record_actor_stats
+    from turnscale.learner.metrics import StepMetrics, record_actor_stats
 
     m = StepMetrics()
     record_actor_stats(m, [{"engine_busy_s": 1.5, "weight_pulls": 2.0}, {"engine_busy_s": 0.5, "bad": float("nan")}])
@@ -122,8 +122,8 @@ def test_learner_logs_the_sum_of_actor_counters():
 
 
 def test_trajectory_log_carries_the_lease_wall_time(tmp_path: Path):
-    from learner.trajlog import TrajectoryLog
-    from protocol.messages import Lease
+    from turnscale.learner.trajlog import TrajectoryLog
+    from turnscale.protocol.messages import Lease
     from tests.unit.fakes import make_group, task
 
     lease = Lease(lease_id="l-1", task=task(3), group_size=2, turn_limit=10, policy_version=0, ttl_s=60.0, seed=1)

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from conf.schema import ServerLimits
-from envhub.base import ResetResult, StepResult
-from envhub.bodies import encode_json, parse_json_object
-from envhub.instances import ApiError, InstanceTable
+from turnscale.conf.schema import ServerLimits
+from turnscale.envhub.base import ResetResult, StepResult
+from turnscale.envhub.bodies import encode_json, parse_json_object
+from turnscale.envhub.instances import ApiError, InstanceTable
 
 
 class HangingEnv:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from conf.schema import ServerLimits
-from envhub.base import EnvBusy, ResetResult, StepResult
-from common.envclient import EnvBusyError
-from common.envclient import _decode as client_decode
-from envhub.main import rewrite_overrides
-from envhub.server import create_app
+from turnscale.conf.schema import ServerLimits
+from turnscale.envhub.base import EnvBusy, ResetResult, StepResult
+from turnscale.common.envclient import EnvBusyError
+from turnscale.common.envclient import _decode as client_decode
+from turnscale.envhub.main import rewrite_overrides
+from turnscale.envhub.server import create_app
 
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
@@ -137,8 +137,7 @@ def test_host_and_port_shorthands_become_env_keys():
 
 
 def test_misspelled_env_key_is_still_refused():
-    import conf
-
+    from turnscale import conf
     cfg = conf.load(rewrite_overrides(["env=babyai", "port=9001", "env.max_instances=7"]))
     assert (cfg.env.port, cfg.env.max_instances, cfg.env.host) == (9001, 7, "127.0.0.1")
     with pytest.raises(conf.ConfigError, match="max_instancez"):
@@ -171,7 +170,7 @@ def test_concurrent_creates_respect_the_instance_limit():
     import asyncio
     import time
 
-    from envhub.instances import ApiError, InstanceTable
+    from turnscale.envhub.instances import ApiError, InstanceTable
 
     class SlowFamily(FakeFamily):
         def create(self):
@@ -192,7 +191,7 @@ def test_concurrent_creates_respect_the_instance_limit():
 def test_a_restarted_server_does_not_reuse_its_predecessors_instance_ids():
     import asyncio
 
-    from envhub.instances import ApiError, InstanceTable
+    from turnscale.envhub.instances import ApiError, InstanceTable
 
     async def main():
         old = InstanceTable(FakeFamily(), max_instances=8, idle_timeout_s=60)
@@ -244,7 +243,7 @@ def test_agentgym_face_env_failure_is_200_error_without_trace(client):
 
 
 def test_agentgym_error_bodies_become_typed_client_errors(client):
-    from common.envclient import EnvNotFound
+    from turnscale.common.envclient import EnvNotFound
 
     r = client.post("/step", json={"id": 10**9, "action": "x"})
     with pytest.raises(EnvNotFound, match="not_found"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from actors.envpool import EnvPool
+from turnscale.actors.envpool import EnvPool
 
 
 class HangingClient:

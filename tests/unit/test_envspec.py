@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from common.parsing import FORMATS, parser_for
-from common.prompts import instruction
-from conf.envs import ENVS, EnvSpec
-from conf.schema import EnvConfig
-from conf.tasks import TaskSpecError, parse_task_spec
-from envhub.registry import family_factory
+from turnscale.common.parsing import FORMATS, parser_for
+from turnscale.common.prompts import instruction
+from turnscale.conf.envs import ENVS, EnvSpec
+from turnscale.conf.schema import EnvConfig
+from turnscale.conf.tasks import TaskSpecError, parse_task_spec
+from turnscale.envhub.registry import family_factory
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "conf", "common", "envhub", "actors", "learner", "turnscale", "benchmarks")
@@ -23,7 +23,7 @@ def test_every_env_has_all_its_parts(name):
     spec = ENVS[name]
     assert isinstance(spec, EnvSpec) and spec.name == name
     factory = family_factory(name)  # importable by envhub, no family built (no env deps needed)
-    assert callable(factory) and inspect.getmodule(factory).__name__ == f"envhub.{spec.server.split(':')[0]}"
+    assert callable(factory) and inspect.getmodule(factory).__name__ == f"turnscale.envhub.{spec.server.split(':')[0]}"
     assert spec.action_format in FORMATS and parser_for(name) is FORMATS[spec.action_format]
     assert instruction(name) == spec.prompt and spec.prompt.strip()
     assert EnvConfig(name=name).name == name

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import trio
 
-from actors.engine import EngineError, GenerateRequest, GenerateResult
-from actors.episode import run_episode, run_group
-from common.parsing import parse_action_line
-from common.renderer import Renderer
-from protocol import codec
-from protocol.messages import Lease, SamplingParams, Task, TrajectoryGroup
+from turnscale.actors.engine import EngineError, GenerateRequest, GenerateResult
+from turnscale.actors.episode import run_episode, run_group
+from turnscale.common.parsing import parse_action_line
+from turnscale.common.renderer import Renderer
+from turnscale.protocol import codec
+from turnscale.protocol.messages import Lease, SamplingParams, Task, TrajectoryGroup
 from tests.conftest import tiny_corpus
-from common.tinymodel import build_tokenizer
+from turnscale.common.tinymodel import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_template_break_ends_the_episode_as_render_error():
 def test_an_env_time_limit_ends_the_episode_as_truncated_not_done(tok):
     """The env's own time limit (``truncated`` on the wire) is a cut, not a terminal state:
     the episode ends as ``truncated`` (trainable; GAE bootstraps there), never as ``done``."""
-    from actors.envpool import PooledSession
+    from turnscale.actors.envpool import PooledSession
 
     class TimeLimitClient:
         async def create(self):

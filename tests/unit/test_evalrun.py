@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import trio
 
-from actors.engine import GenerateResult
-from common.parsing import parse_action_line
-from common.renderer import Renderer
-from protocol.messages import SamplingParams
+from turnscale.actors.engine import GenerateResult
+from turnscale.common.parsing import parse_action_line
+from turnscale.common.renderer import Renderer
+from turnscale.protocol.messages import SamplingParams
 from tests.conftest import tiny_corpus
 from turnscale.evalmetrics import EpisodeResult, report_rows
 from turnscale.evalrun import play_all, plan
-from common.tinymodel import build_tokenizer
+from turnscale.common.tinymodel import build_tokenizer
 
 
 @pytest.fixture(scope="module")

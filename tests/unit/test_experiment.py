@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conf import load
+from turnscale.conf import load
 from turnscale.experiment import aggregate, arm_schedule, collapse_events, mean_sd, plot, table
 
 

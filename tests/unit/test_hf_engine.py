@@ -7,11 +7,11 @@ import pytest
 import torch
 import trio
 
-from actors.engine import EngineClosed, EngineError, GenerateRequest
-from actors.hf_engine import HFEngine, sample_tokens
-from conf.schema import EngineConfig
-from protocol.messages import SamplingParams
-from common.logprobs import token_logprobs
+from turnscale.actors.engine import EngineClosed, EngineError, GenerateRequest
+from turnscale.actors.hf_engine import HFEngine, sample_tokens
+from turnscale.conf.schema import EngineConfig
+from turnscale.protocol.messages import SamplingParams
+from turnscale.common.logprobs import token_logprobs
 
 
 @pytest.fixture(scope="module")

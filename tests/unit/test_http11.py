@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.http11 import HTTPProtocolError, ResponseParser, build_request
+from turnscale.common.http11 import HTTPProtocolError, ResponseParser, build_request
 
 
 def parse(*pieces: bytes, eof: bool = False) -> ResponseParser:

@@ -2,7 +2,7 @@
 
 Every ``.py`` of the packages below is parsed with ``ast``; every import counts, lazy ones inside
 functions included, relative ones resolved.  A string constant that names a module of this
-repository (``"envhub.babyai:make_family"``, ``importlib.import_module("benchmarks.main")``)
+repository (``"turnscale.envhub.babyai:make_family"``, ``importlib.import_module("turnscale.benchmarks.main")``)
 counts as a reference too: the code reaches that module at run time; so does ``[python, "-m", "turnscale", ...]``, a launch (a fresh interpreter: checked against
 the layer rule, but no edge of the import graph).  Then:
 
@@ -70,11 +70,33 @@ class Ref:
     how: str  # "import", "string" (a module path in a string) or "launch" (after ``-m``)
 
 
+MAPPED = tuple(p for p in PACKAGES if p != "turnscale")  # the folders installed as turnscale.<pkg>
+
+
 def module_name(path: Path) -> str:
+    """The import name of a file: ``actors/relay.py`` -> ``turnscale.actors.relay`` (pyproject's
+    package-dir), ``turnscale/cli.py`` -> ``turnscale.cli``."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
+    if parts[0] in MAPPED:
+        parts = ["turnscale", *parts]
     return ".".join(parts)
+
+
+def package_of(name: str) -> str:
+    """The layer package a module name belongs to: ``turnscale.actors.x`` -> ``actors``,
+    ``turnscale.cli`` -> ``turnscale`` (the application), ``turnscale`` alone -> ``root`` (the
+    import-free namespace root), ``tests.x`` -> ``tests``; a bare ``actors.x`` -> ``bare`` (a
+    top-level name that an install does not provide: always forbidden)."""
+    parts = name.split(".")
+    if parts[0] == "turnscale":
+        if len(parts) == 1:
+            return "root"
+        return parts[1] if parts[1] in MAPPED else "turnscale"
+    if parts[0] in MAPPED:
+        return "bare"
+    return parts[0]
 
 
 def all_modules() -> dict[str, Path]:
@@ -108,7 +130,12 @@ def _string_refs(node: ast.AST) -> list[tuple[int, str, str]]:
     """Module paths of this repository named by string constants: ``pkg.mod`` or ``pkg.mod:attr``
     ("string"), or the word after a ``"-m"`` in a list/tuple ("launch")."""
     out = []
+    # a logger's name (``logging.getLogger("turnscale.learner")``) is a label, not a module
+    loggers = {id(a) for n in ast.walk(node) if isinstance(n, ast.Call)
+               and getattr(n.func, "attr", getattr(n.func, "id", None)) == "getLogger" for a in n.args}
     for n in ast.walk(node):
+        if id(n) in loggers:
+            continue
         if isinstance(n, (ast.List, ast.Tuple)):
             elts = n.elts
             for a, b in zip(elts, elts[1:]):
@@ -151,7 +178,7 @@ def refs_of(mod: str, path: Path) -> list[Ref]:
                 docs.add(id(n.body[0].value))
     for line, target, how in _string_refs(tree):
         out.append(Ref(rel, line, mod, target, True, how))
-    return [r for r in out if r.target.split(".")[0] in LAYER and not _is_doc(r, tree, docs)]  # LAYER: ours and tests
+    return [r for r in out if package_of(r.target) in (*LAYER, "root", "bare") and not _is_doc(r, tree, docs)]  # ours and tests
 
 
 def _is_doc(ref: Ref, tree: ast.AST, docs: set[int]) -> bool:
@@ -173,7 +200,14 @@ def collect() -> list[Ref]:
 def forbidden(refs: list[Ref]) -> list[str]:
     bad = []
     for r in refs:
-        src, dst = r.source.split(".")[0], r.target.split(".")[0]
+        src, dst = package_of(r.source), package_of(r.target)
+        if r.how == "launch" and r.target == "turnscale":
+            dst = "turnscale"  # ``python -m turnscale``: the application's __main__
+        if dst == "bare":
+            bad.append(f"{r.file}:{r.line} names {r.target}: import it as turnscale.{r.target} (installed under the turnscale namespace)")
+            continue
+        if dst == "root":  # the namespace root imports nothing: every layer may name it
+            continue
         allowed = ALLOWED[src] | (LAUNCH_ALLOWED.get(src, frozenset()) if r.how == "launch" else frozenset())
         if src != dst and dst not in allowed:
             what = {"import": "imports", "string": "names (string)", "launch": "launches (-m)"}[r.how]
@@ -230,8 +264,8 @@ def test_no_forbidden_import_between_layers():
 def test_package_graph_is_acyclic():
     graph: dict[str, set[str]] = defaultdict(set)
     for r in REFS:
-        src, dst = r.source.split(".")[0], r.target.split(".")[0]
-        if src != dst and r.how != "launch":
+        src, dst = package_of(r.source), package_of(r.target)
+        if src != dst and r.how != "launch" and dst != "root":
             graph[src].add(dst)
     cycle = find_cycle(graph)
     assert cycle is None, "package import cycle: " + " -> ".join(cycle)
@@ -240,7 +274,7 @@ def test_package_graph_is_acyclic():
 def test_module_level_imports_inside_each_package_are_acyclic():
     graph: dict[str, set[str]] = defaultdict(set)
     for r in REFS:
-        if r.lazy or r.source.split(".")[0] != r.target.split(".")[0]:
+        if r.lazy or package_of(r.source) != package_of(r.target):
             continue
         dst = _owning_module(r.target)
         if dst and dst != r.source:
@@ -255,28 +289,32 @@ def _targets(source: str) -> set[str]:
 
 def test_engine_interface_imports_no_engine():
     """actors.engine (the interface) <-> the engine modules / the factory was a lazy cycle."""
-    engines = {"actors.engines", "actors.hf_engine", "actors.sim_engine", "actors.vllm_engine", "actors.vllm_state", "actors.vllm_worker"}
-    assert not (_targets("actors.engine") & engines)
+    engines = {"turnscale.actors.engines", "turnscale.actors.hf_engine", "turnscale.actors.sim_engine", "turnscale.actors.vllm_engine", "turnscale.actors.vllm_state", "turnscale.actors.vllm_worker"}
+    assert not (_targets("turnscale.actors.engine") & engines)
 
 
 def test_babyai_oracle_does_not_import_babyai():
     """envhub.babyai <-> envhub.babyai_oracle was a lazy cycle; the oracle needs only the prims."""
-    assert "envhub.babyai" not in _targets("envhub.babyai_oracle")
+    assert "turnscale.envhub.babyai" not in _targets("turnscale.envhub.babyai_oracle")
 
 
 def test_the_check_sees_lazy_relative_and_string_references():
-    """The parser itself: a relative import resolves, a lazy one is lazy, ``-m`` strings count."""
+    """The parser itself: a relative import resolves, a lazy one is lazy, ``-m`` strings count,
+    and a bare top-level name (``import actors.episode``) is refused: it exists only in a checkout."""
     tree = ast.parse("def f():\n    from ..learner import trainer\n    import actors.episode\n    return ['-m', 'turnscale']\n")
     node = tree.body[0].body[0]
-    assert _resolve("envhub.sub.probe", False, node)[0] == "envhub.learner"
+    assert _resolve("turnscale.envhub.sub.probe", False, node)[0] == "turnscale.envhub.learner"
     assert (4, "turnscale", "launch") in _string_refs(tree)
     bad = forbidden([
-        Ref("envhub/x.py", 3, "envhub.x", "actors.episode", True, "import"),
-        Ref("common/x.py", 4, "common.x", "turnscale", True, "launch"),
-        Ref("benchmarks/x.py", 5, "benchmarks.x", "tests.unit.fakes", False, "import"),
+        Ref("envhub/x.py", 3, "turnscale.envhub.x", "turnscale.actors.episode", True, "import"),
+        Ref("common/x.py", 4, "turnscale.common.x", "turnscale", True, "launch"),
+        Ref("benchmarks/x.py", 5, "turnscale.benchmarks.x", "tests.unit.fakes", False, "import"),
+        Ref("learner/x.py", 6, "turnscale.learner.x", "actors.episode", False, "import"),
+        Ref("learner/x.py", 7, "turnscale.learner.x", "turnscale", False, "import"),
     ])
     assert bad == [
         "benchmarks/x.py:5 imports tests.unit.fakes (layer top 'benchmarks' may not import layer tests 'tests')",
         "common/x.py:4 launches (-m) turnscale (layer shared 'common' may not import layer top 'turnscale')",
-        "envhub/x.py:3 imports actors.episode (layer role 'envhub' may not import layer role 'actors')",
+        "envhub/x.py:3 imports turnscale.actors.episode (layer role 'envhub' may not import layer role 'actors')",
+        "learner/x.py:6 names actors.episode: import it as turnscale.actors.episode (installed under the turnscale namespace)",
     ]

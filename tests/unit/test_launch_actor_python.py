@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-import conf
+from turnscale import conf
 from turnscale.launch import Launcher
-from common.procs import ChildFailed
+from turnscale.common.procs import ChildFailed
 
 
 def _launcher(tmp_path, *overrides):

@@ -1,5 +1,5 @@
-import conf
-from learner.main import FALLBACK_CORPUS, resolve_model_path
+from turnscale import conf
+from turnscale.learner.main import FALLBACK_CORPUS, resolve_model_path
 from turnscale.learnerapp import env_corpus
 
 

@@ -7,11 +7,11 @@ import pytest
 import trio
 import zmq
 
-import conf
-from learner.service import LearnerService, ServiceParts
-from protocol import codec
-from protocol.errors import RemoteError
-from protocol.messages import (
+from turnscale import conf
+from turnscale.learner.service import LearnerService, ServiceParts
+from turnscale.protocol import codec
+from turnscale.protocol.errors import RemoteError
+from turnscale.protocol.messages import (
     ErrorReply,
     Goodbye,
     GroupAck,
@@ -25,7 +25,7 @@ from protocol.messages import (
     WeightManifest,
     Welcome,
 )
-from protocol.transport import AsyncSocket, Requester, configure, free_port
+from turnscale.protocol.transport import AsyncSocket, Requester, configure, free_port
 from tests.unit.fakes import make_group
 
 
@@ -540,7 +540,7 @@ def test_a_drained_actor_gets_no_new_lease_finishes_its_groups_then_is_told_to_l
     """``ControlRequest(drain=[...])``: the learner stops leasing to the actor, its in-flight
     group is still accepted and trained, then its next ``LeaseRequest`` is answered
     ``Shutdown("drained")``; the reply carries the signals, split by pool."""
-    from protocol.messages import ControlRequest, LearnerStatus
+    from turnscale.protocol.messages import ControlRequest, LearnerStatus
 
     cfg = make_cfg(**{"learner.steps": 50, "learner.max_staleness": 3})
     trainer = FakeTrainer()
@@ -618,7 +618,7 @@ def test_step_metrics_are_split_by_actor_pool():
     assert last["pool/gpu/tokens_generated_per_s"] > last["pool/cpu/tokens_generated_per_s"] > 0
     assert last["pool/cpu/weight_pull_s_mean"] == 0.5
     assert any("pool/cpu/staleness_mean" in m for m in logged) and any("pool/gpu/staleness_mean" in m for m in logged)
-    from learner.metrics import format_progress
+    from turnscale.learner.metrics import format_progress
 
     line = format_progress(2, last)
     assert "| pools cpu 1a" in line and "gpu 1a" in line

@@ -3,8 +3,8 @@ from dataclasses import replace
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from learner.leases import FixedPolicy, LeaseManager
-from learner.tasks import TaskStream, parse_task_spec
+from turnscale.learner.leases import FixedPolicy, LeaseManager
+from turnscale.learner.tasks import TaskStream, parse_task_spec
 from tests.unit.fakes import make_group
 
 TASKS = parse_task_spec("0:50", "babyai")
@@ -165,7 +165,7 @@ def test_no_group_is_trained_beyond_max_staleness_and_nothing_is_lost_or_trained
     re-issue."""
     from collections import Counter
 
-    from learner.tasks import TaskStream, parse_task_spec
+    from turnscale.learner.tasks import TaskStream, parse_task_spec
 
     tasks = parse_task_spec("0:5000", "babyai")
     m = LeaseManager(stream=TaskStream(tasks, seed=0), group_size=2, groups_per_step=gps, max_staleness=max_staleness,

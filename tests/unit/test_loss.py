@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.loss import PPOLossConfig, low_var_kl_BT, ppo_loss, sft_loss, value_loss
+from turnscale.learner.loss import PPOLossConfig, low_var_kl_BT, ppo_loss, sft_loss, value_loss
 
 CFG = PPOLossConfig(clip_low=0.2, clip_high=0.28, behaviour_cap=2.0)
 

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.makespan import (
+from turnscale.benchmarks.makespan import (
     ideal_speedup,
     list_schedule_makespan,
     lockstep_makespan,

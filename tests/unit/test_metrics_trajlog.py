@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from learner.leases import LeaseManager
-from learner.metrics import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger, StepMetrics, record_intake, record_train, record_trained
-from learner.tasks import TaskStream, parse_task_spec
-from learner.trajlog import TrajectoryLog
+from turnscale.learner.leases import LeaseManager
+from turnscale.learner.metrics import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger, StepMetrics, record_intake, record_train, record_trained
+from turnscale.learner.tasks import TaskStream, parse_task_spec
+from turnscale.learner.trajlog import TrajectoryLog
 from tests.unit.fakes import make_group
 
 TRAJ_KEYS = {"step", "version", "lease_id", "actor_id", "env", "data_idx", "task_id", "split", "category", "episode",
@@ -70,7 +70,7 @@ def test_jsonl_and_console_loggers(tmp_path):
 
 
 def test_tensorboard_logger_writes_event_file(tmp_path):
-    from learner.metrics import TensorBoardLogger
+    from turnscale.learner.metrics import TensorBoardLogger
 
     lg = TensorBoardLogger(str(tmp_path / "tb"))
     lg.write(1, {"loss/x": 1.0})

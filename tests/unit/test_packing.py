@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.synthetic import build_tiny_model, synthetic_groups
-from conf.schema import AlgoConfig
-from learner.batching import pad_BT
-from learner.logprobs import token_logprobs_BT
-from learner.packing import pack_sequences, plan_packs, use_varlen_attention
-from learner.trainer import Trainer
+from turnscale.benchmarks.synthetic import build_tiny_model, synthetic_groups
+from turnscale.conf.schema import AlgoConfig
+from turnscale.learner.batching import pad_BT
+from turnscale.learner.logprobs import token_logprobs_BT
+from turnscale.learner.packing import pack_sequences, plan_packs, use_varlen_attention
+from turnscale.learner.trainer import Trainer
 from tests.unit.test_trainer import assert_same, make_cfg, params
 
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
-from common.parsing import ACTION_LINE_HINT, parse_action_line, parse_backticks, parse_tags, parser_for
-from common.prompts import initial_messages, instruction
+from turnscale.common.parsing import ACTION_LINE_HINT, parse_action_line, parse_backticks, parse_tags, parser_for
+from turnscale.common.prompts import initial_messages, instruction
 
 import pytest
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from protocol import dtypes
-from protocol.weights import build_manifest, layout, tensors_from_buffer, write_tensors
+from turnscale.protocol import dtypes
+from turnscale.protocol.weights import build_manifest, layout, tensors_from_buffer, write_tensors
 
 
 def test_dtype_table_matches_torch_element_sizes():
@@ -52,8 +52,8 @@ def test_write_and_chunk_equals_write_then_checksum(algo, chunk_bytes):
     """The one-pass publisher path (copy a piece, checksum it while in cache) gives the
     same bytes and chunk table as writing first and checksumming after, also across
     alignment gaps, casts, pieces larger than ``_PIECE`` and a stream shorter than a chunk."""
-    from protocol import checksums
-    from protocol.weights import chunk_table, write_and_chunk
+    from turnscale.protocol import checksums
+    from turnscale.protocol.weights import chunk_table, write_and_chunk
 
     if algo not in checksums.ALGOS:
         pytest.skip(f"{algo} not available here")

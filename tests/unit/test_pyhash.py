@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from envhub.pyhash import set_orders
+from turnscale.envhub.pyhash import set_orders
 
 WORDS = [f"craft {i} stick using {i % 3} planks" for i in range(40)]
 

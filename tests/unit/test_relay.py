@@ -11,12 +11,12 @@ import torch
 import trio
 import zmq
 
-from actors.relay import RelayServer
-from actors.weight_sync import PullReport, ReceiveBuffer, pull_weights
-from learner.weights import WeightPublisher
-from protocol import checksums, codec
-from protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
-from protocol.transport import AsyncSocket, configure, free_port
+from turnscale.actors.relay import RelayServer
+from turnscale.actors.weight_sync import PullReport, ReceiveBuffer, pull_weights
+from turnscale.learner.weights import WeightPublisher
+from turnscale.protocol import checksums, codec
+from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
+from turnscale.protocol.transport import AsyncSocket, configure, free_port
 
 torch.set_num_threads(1)
 
@@ -186,7 +186,7 @@ def test_a_curve_relay_serves_listed_curve_clients_and_strangers_and_plain_clien
     an unlisted key pair (it knows the relay's public key: public keys are no secret) and a
     plain client fail the handshake, get nothing from the relay and take every chunk from the
     learner."""
-    from protocol.transport import CurveKeys, generate_curve_keys
+    from turnscale.protocol.transport import CurveKeys, generate_curve_keys
 
     m = publisher.publish(1, state_dict())
     server, client, stranger = generate_curve_keys(), generate_curve_keys(), generate_curve_keys()

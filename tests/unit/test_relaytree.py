@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import trio
 
-from learner import relaytree
-from learner.service import LearnerService, ServiceParts
-from protocol.messages import Goodbye, Heartbeat, HeartbeatAck, Hello, Welcome
+from turnscale.learner import relaytree
+from turnscale.learner.service import LearnerService, ServiceParts
+from turnscale.protocol.messages import Goodbye, Heartbeat, HeartbeatAck, Hello, Welcome
 from tests.unit.test_learner_service import FakePublisher, FakeSchedule, FakeTrainer, MemCheckpointer, make_cfg
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.renderer import Renderer, RenderError
+from turnscale.common.renderer import Renderer, RenderError
 from tests.conftest import tiny_corpus
-from common.tinymodel import CHATML_TEMPLATE, build_tokenizer
+from turnscale.common.tinymodel import CHATML_TEMPLATE, build_tokenizer
 
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"

@@ -1,4 +1,4 @@
-"""protocol.router: the shared ROUTER serving loop keeps serving after a failing request, answers
+"""turnscale.protocol.router: the shared ROUTER serving loop keeps serving after a failing request, answers
 a malformed one with bad_message, and stops when told."""
 
 import logging
@@ -6,9 +6,9 @@ import threading
 
 import zmq
 
-from protocol import codec
-from protocol.messages import ErrorReply, WeightChunkRequest
-from protocol.router import read_request, serve_router
+from turnscale.protocol import codec
+from turnscale.protocol.messages import ErrorReply, WeightChunkRequest
+from turnscale.protocol.router import read_request, serve_router
 
 
 def test_loop_survives_a_failing_answer_replies_bad_message_and_stops(caplog):

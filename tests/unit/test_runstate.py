@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from learner.leases import LeaseManager
-from learner.runstate import RunState
-from learner.schedule import TurnSchedule
-from learner.tasks import TaskStream, parse_task_spec
+from turnscale.learner.leases import LeaseManager
+from turnscale.learner.runstate import RunState
+from turnscale.learner.schedule import TurnSchedule
+from turnscale.learner.tasks import TaskStream, parse_task_spec
 
 
 def test_turn_limit_follows_the_step_and_the_lease_manager_reads_it_live():

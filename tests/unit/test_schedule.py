@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.schedule import ScheduleMismatch, TurnSchedule
+from turnscale.learner.schedule import ScheduleMismatch, TurnSchedule
 
 S = TurnSchedule(turns=[10, 20, 30], every=100)
 

@@ -10,7 +10,7 @@ import pytest
 
 import collections
 
-from envhub.sciworld import EXCLUDED_TASKS, Game, JvmPool, PoolExhausted, SciWorldFamily, spread_split
+from turnscale.envhub.sciworld import EXCLUDED_TASKS, Game, JvmPool, PoolExhausted, SciWorldFamily, spread_split
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="needs Java 17 for scienceworld")
 

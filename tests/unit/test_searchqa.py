@@ -8,10 +8,10 @@ import os
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conf.schema import EnvConfig
-from envhub import searchqa_data
-from envhub.retrieval import BM25Retriever, Doc, load_corpus, passages
-from envhub.searchqa import INVALID, RIGHT, SearchQAFamily, exact_match, load_questions, make_family, normalize_answer
+from turnscale.conf.schema import EnvConfig
+from turnscale.envhub import searchqa_data
+from turnscale.envhub.retrieval import BM25Retriever, Doc, load_corpus, passages
+from turnscale.envhub.searchqa import INVALID, RIGHT, SearchQAFamily, exact_match, load_questions, make_family, normalize_answer
 
 pytest.importorskip("bm25s")
 
@@ -173,7 +173,7 @@ _PIECES = st.sampled_from(["<search>", "</search>", "<answer>", "</answer>", "<s
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_PIECES, max_size=14).map("".join))
 def test_linear_tag_parsing_agrees_with_the_reference_regex(text):
-    from envhub.searchqa import first_action, last_answer
+    from turnscale.envhub.searchqa import first_action, last_answer
 
     m = _OLD_ACTION.search(text)
     assert first_action(text) == (None if m is None else (m.group(1), m.group(2)))
@@ -187,7 +187,7 @@ def test_tag_parsing_reads_each_character_a_bounded_number_of_times():
     from every opening tag)."""
     import re
 
-    from envhub import searchqa
+    from turnscale.envhub import searchqa
 
     scanned = []
 

@@ -3,14 +3,14 @@ import json
 import numpy as np
 import pytest
 
-from learner.sft_data import SFTDataError, conversation_to_episode, load_sft_groups
+from turnscale.learner.sft_data import SFTDataError, conversation_to_episode, load_sft_groups
 
 
 @pytest.fixture(scope="module")
 def renderer(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from common.renderer import Renderer
+    from turnscale.common.renderer import Renderer
 
     return Renderer.for_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
 

@@ -1,8 +1,8 @@
-"""learner.signal.SignalWatch: a run without RL signal says so, with the cause and the knobs."""
+"""turnscale.learner.signal.SignalWatch: a run without RL signal says so, with the cause and the knobs."""
 
 import pytest
 
-from learner.signal import SignalWatch
+from turnscale.learner.signal import SignalWatch
 
 
 def _feed(w: SignalWatch, groups: list[tuple[list[float], list[bool]]]) -> list[str]:

@@ -5,16 +5,16 @@ import dataclasses
 import numpy as np
 import trio
 
-from actors.engine import GenerateRequest
-from actors.engines import make_engine
-from actors.episode import run_episode
-from common.parsing import parse_action_line
-from common.renderer import Renderer
-from actors.sim_engine import SIM_LOGPROB
-from conf.schema import EngineConfig, SimEngineConfig
-from protocol.messages import SamplingParams, Task
+from turnscale.actors.engine import GenerateRequest
+from turnscale.actors.engines import make_engine
+from turnscale.actors.episode import run_episode
+from turnscale.common.parsing import parse_action_line
+from turnscale.common.renderer import Renderer
+from turnscale.actors.sim_engine import SIM_LOGPROB
+from turnscale.conf.schema import EngineConfig, SimEngineConfig
+from turnscale.protocol.messages import SamplingParams, Task
 from tests.conftest import tiny_corpus
-from common.tinymodel import build_tokenizer
+from turnscale.common.tinymodel import build_tokenizer
 
 
 def test_sim_engine_returns_real_tokens_ending_with_the_stop_token():

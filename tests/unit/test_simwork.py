@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import conf
-from envhub.base import ResetResult, StepResult
-from envhub.simwork import (
+from turnscale import conf
+from turnscale.envhub.base import ResetResult, StepResult
+from turnscale.envhub.simwork import (
     SimLatencyFamily,
     SimWorkload,
     split_options,

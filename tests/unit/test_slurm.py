@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import conf
+from turnscale import conf
 from turnscale import slurm
 
 POOLS = ('slurm.pools=[{name:cpu,count:2,constraint:cpu},'

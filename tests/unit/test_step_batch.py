@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from envhub.server import MAX_BATCH_STEPS, create_app
+from turnscale.envhub.server import MAX_BATCH_STEPS, create_app
 from tests.unit.test_envhub_server import Cfg, FakeFamily
 
 pytest.importorskip("httpx")

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from common.envclient import EnvClient, EnvConnectionLost, EnvHTTPError, StepReply
+from turnscale.common.envclient import EnvClient, EnvConnectionLost, EnvHTTPError, StepReply
 
 
 class FakeWire:

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.tasks import TaskCursor, TaskSpecError, TaskStream, parse_task_spec
-from protocol.messages import Task
+from turnscale.learner.tasks import TaskCursor, TaskSpecError, TaskStream, parse_task_spec
+from turnscale.protocol.messages import Task
 
 
 def test_range_spec_gives_every_index_once():

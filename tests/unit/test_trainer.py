@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from conf.schema import Config
-from learner import checkpoint as ckpt
-from learner.logprobs import token_logprobs_BT
-from learner.main import TrainerCheckpointer
-from learner.schedule import TurnSchedule
-from benchmarks.synthetic import build_tiny_model, synthetic_groups
-from learner.trainer import Trainer, lr_factor
+from turnscale.conf.schema import Config
+from turnscale.learner import checkpoint as ckpt
+from turnscale.learner.logprobs import token_logprobs_BT
+from turnscale.learner.main import TrainerCheckpointer
+from turnscale.learner.schedule import TurnSchedule
+from turnscale.benchmarks.synthetic import build_tiny_model, synthetic_groups
+from turnscale.learner.trainer import Trainer, lr_factor
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def test_equal_reward_groups_are_counted_and_give_no_gradient(model_dir):
 
 
 def test_failed_groups_are_rejected(model_dir):
-    from protocol.messages import TrajectoryGroup
+    from turnscale.protocol.messages import TrajectoryGroup
 
     g = batches(1)[0][0]
     bad = TrajectoryGroup(lease_id="x", actor_id="a", task=g.task, turn_limit=g.turn_limit, episodes=[], failed=True, error="env down")
@@ -289,7 +289,7 @@ def test_logprobs_follow_the_shared_convention():
 
 
 def test_fused_logprobs_and_entropy_match_the_reference_functions():
-    from learner.logprobs import logprobs_and_entropy_BT, token_entropy_BT
+    from turnscale.learner.logprobs import logprobs_and_entropy_BT, token_entropy_BT
 
     torch.manual_seed(1)
     logits = torch.randn(2, 5, 11, requires_grad=True)
@@ -305,7 +305,7 @@ def test_fused_logprobs_and_entropy_match_the_reference_functions():
 
 
 def test_learner_logprobs_equal_the_actor_convention():
-    from common.logprobs import token_logprobs
+    from turnscale.common.logprobs import token_logprobs
 
     torch.manual_seed(2)
     logits = torch.randn(3, 6, 13)
@@ -315,7 +315,7 @@ def test_learner_logprobs_equal_the_actor_convention():
 
 
 def test_unknown_devices_are_rejected_with_the_choices():
-    from learner.trainer import make_accelerator
+    from turnscale.learner.trainer import make_accelerator
 
     with pytest.raises(ValueError, match="cpu, cuda"):
         make_accelerator("tpu", "float32")
@@ -359,7 +359,7 @@ def test_rng_states_round_trip():
 
 
 def test_seq_mean_token_mean_gives_every_episode_the_same_weight_whatever_its_length(model_dir):
-    from learner.trainer import _Row
+    from turnscale.learner.trainer import _Row
 
     tr = Trainer(make_cfg(loss_agg="seq_mean_token_mean"), model_dir)
     rows = []

@@ -12,10 +12,10 @@ import trio
 import trio.testing
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError
-from protocol.transport import (
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError
+from turnscale.protocol.transport import (
     AsyncSocket,
     Requester,
     SocketLimits,
@@ -25,7 +25,7 @@ from protocol.transport import (
     split_router_frames,
     tcp_endpoint,
 )
-from protocol.transport import CurveKeys
+from turnscale.protocol.transport import CurveKeys
 
 LIMIT_S = 20
 
@@ -511,7 +511,7 @@ def test_free_port_is_outside_the_ephemeral_range_and_never_handed_out_twice():
     ("Address already in use" in CI); ``free_port`` picks outside that range."""
     import socket
 
-    from protocol.transport import _ephemeral_range
+    from turnscale.protocol.transport import _ephemeral_range
 
     lo, hi = _ephemeral_range()
     ports = [free_port() for _ in range(100)]

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import trio
 
-from actors.engine import EngineBroken, EngineError, GenerateRequest
-from actors.vllm_engine import VLLMEngine, check_logprob_convention, finish_reason, platform_settings, sampled_logprobs, sampling_kwargs
-from actors.vllm_state import StateStore, check_full_state, iter_state, read_header, vllm_names, write_state
-from actors.vllm_worker import TurnscaleWorkerExtension
-from conf.schema import EngineConfig, VLLMEngineConfig
-from protocol.messages import SamplingParams
+from turnscale.actors.engine import EngineBroken, EngineError, GenerateRequest
+from turnscale.actors.vllm_engine import VLLMEngine, check_logprob_convention, finish_reason, platform_settings, sampled_logprobs, sampling_kwargs
+from turnscale.actors.vllm_state import StateStore, check_full_state, iter_state, read_header, vllm_names, write_state
+from turnscale.actors.vllm_worker import TurnscaleWorkerExtension
+from turnscale.conf.schema import EngineConfig, VLLMEngineConfig
+from turnscale.protocol.messages import SamplingParams
 
 
 def test_sampling_kwargs_ask_for_the_sampled_token_logprob_and_exact_stops():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from envhub.web import truncate_tree
-from envhub.web_data import CATEGORIES, FORUMS, N_POSTS, N_PRODUCTS, world
-from envhub.web_oracle import MAX_SCROLLS, OracleLost, WebOracle, element_id
-from envhub.web_tasks import TASKS_PER_SEED, TEMPLATES, Evaluator, evaluate, task
+from turnscale.envhub.web import truncate_tree
+from turnscale.envhub.web_data import CATEGORIES, FORUMS, N_POSTS, N_PRODUCTS, world
+from turnscale.envhub.web_oracle import MAX_SCROLLS, OracleLost, WebOracle, element_id
+from turnscale.envhub.web_tasks import TASKS_PER_SEED, TEMPLATES, Evaluator, evaluate, task
 
 
 def test_site_content_is_a_pure_function_of_the_seed():
@@ -93,8 +93,8 @@ def test_over_long_tree_is_cut_at_a_line_within_the_budget():
 
 
 def test_id_files_split_by_seed_and_by_template_and_parse_as_task_specs(tmp_path):
-    from conf.tasks import parse_task_spec
-    from envhub.web_tasks import HELD_OUT_TEMPLATES, main
+    from turnscale.conf.tasks import parse_task_spec
+    from turnscale.envhub.web_tasks import HELD_OUT_TEMPLATES, main
 
     assert main([str(tmp_path)]) == 0
     specs = {name: parse_task_spec(str(tmp_path / f"{name}.json"), "web")

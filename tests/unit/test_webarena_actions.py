@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from envhub.webarena_actions import ActionError, WebAction, extract_action, format_action, parse_action
+from turnscale.envhub.webarena_actions import ActionError, WebAction, extract_action, format_action, parse_action
 
 GOOD = {
     "click [12]": WebAction("click", element_id=12),

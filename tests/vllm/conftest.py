@@ -13,15 +13,15 @@ from tests.conftest import tiny_corpus
 def tiny_model_dir_hd32(tmp_path_factory) -> str:
     """A tiny Qwen2 model whose head_dim is 32 (vLLM's CPU attention needs >= 32; the shared
     ``tiny_model_dir`` has 16): hidden 128, 4 heads, 2 KV heads, 2 layers, vocab 1024."""
-    from conf.schema import TinyModelConfig
-    from common.tinymodel import build_tiny_model
+    from turnscale.conf.schema import TinyModelConfig
+    from turnscale.common.tinymodel import build_tiny_model
 
     cfg = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=1024)
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-model-hd32")), cfg, tiny_corpus())
 
 
 def vllm_cpu_config(**kw):
-    from conf.schema import EngineConfig, VLLMEngineConfig
+    from turnscale.conf.schema import EngineConfig, VLLMEngineConfig
 
     multiprocess = kw.pop("multiprocess", False)
     return EngineConfig(name="vllm", device="cpu", dtype="float32", max_batch=kw.pop("max_batch", 8),
@@ -33,7 +33,7 @@ def inproc_engine(tiny_model_dir_hd32):
     """One in-process vLLM engine (between-turns swaps) for the session; tests that swap
     weights put the model's own weights back before they end."""
     pytest.importorskip("vllm")
-    from actors.vllm_engine import VLLMEngine
+    from turnscale.actors.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(vllm_cpu_config(), tiny_model_dir_hd32)
     yield eng

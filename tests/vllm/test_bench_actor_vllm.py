@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from benchmarks import actor  # noqa: E402
+from turnscale.benchmarks import actor  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

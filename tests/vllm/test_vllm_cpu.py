@@ -15,10 +15,10 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from actors.engine import GenerateRequest  # noqa: E402
-from actors.vllm_state import checkpoint_files, iter_state  # noqa: E402
-from benchmarks.actor import InstantEnv  # noqa: E402 (a never-ending env with fixed observations)
-from protocol.messages import SamplingParams  # noqa: E402
+from turnscale.actors.engine import GenerateRequest  # noqa: E402
+from turnscale.actors.vllm_state import checkpoint_files, iter_state  # noqa: E402
+from turnscale.benchmarks.actor import InstantEnv  # noqa: E402 (a never-ending env with fixed observations)
+from turnscale.protocol.messages import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def logprobs(self, state: dict[str, torch.Tensor], ids: list[int], temperature: float) -> np.ndarray:
-        from learner.logprobs import token_logprobs_BT
+        from turnscale.learner.logprobs import token_logprobs_BT
 
         self.model.load_state_dict(state, strict=False)
         x = torch.tensor([ids])
@@ -94,11 +94,11 @@ def swap_and_wait(eng, version: int, state) -> None:
 def test_behaviour_logprobs_of_multi_turn_episodes_equal_the_learners_teacher_forced_logprobs(inproc_engine, tiny_model_dir_hd32, reference):
     from transformers import AutoTokenizer
 
-    from actors.episode import run_episode
-    from common.parsing import parse_action_line
-    from common.prompts import instruction
-    from common.renderer import Renderer
-    from protocol.messages import Task
+    from turnscale.actors.episode import run_episode
+    from turnscale.common.parsing import parse_action_line
+    from turnscale.common.prompts import instruction
+    from turnscale.common.renderer import Renderer
+    from turnscale.protocol.messages import Task
 
     renderer = Renderer.for_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir_hd32))
     sampling = SamplingParams(temperature=0.8, max_new_tokens=16, max_context_tokens=2048)
@@ -256,7 +256,7 @@ def test_requests_join_a_running_batch_and_aborted_ones_leave_vllm(inproc_engine
 def test_multiprocess_engine_swaps_inflight_per_token_and_close_mid_request_ends_its_processes(tiny_model_dir_hd32, reference):
     import psutil
 
-    from actors.vllm_engine import VLLMEngine
+    from turnscale.actors.vllm_engine import VLLMEngine
     from tests.vllm.conftest import vllm_cpu_config
 
     me = psutil.Process()

@@ -10,16 +10,16 @@ pytest.importorskip("vllm")
 
 import trio  # noqa: E402
 
-from actors.engine import GenerateRequest  # noqa: E402
-from protocol.messages import SamplingParams  # noqa: E402
+from turnscale.actors.engine import GenerateRequest  # noqa: E402
+from turnscale.protocol.messages import SamplingParams  # noqa: E402
 from tests.vllm.test_vllm_cpu import TOL, Reference, model_state, perturbed, prompt_ids, swap_and_wait  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_cuda_vllm_logprobs_match_the_learner_before_and_after_a_swap(tiny_model_dir_hd32):
-    from actors.vllm_engine import VLLMEngine
-    from conf.schema import EngineConfig, VLLMEngineConfig
+    from turnscale.actors.vllm_engine import VLLMEngine
+    from turnscale.conf.schema import EngineConfig, VLLMEngineConfig
 
     cfg = EngineConfig(name="vllm", device="cuda", dtype="float32", max_batch=8, gpu_memory_utilization=0.3,
                        vllm=VLLMEngineConfig(enforce_eager=True, max_model_len=2048))
