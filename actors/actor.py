@@ -779,18 +779,11 @@ class Actor:
         return s
 
     async def _verify(self, engine: EngineLike, tensors: Any, manifest: WeightManifest) -> None:
-        """Checksum the engine's weights against the pulled bytes (engines that can read them back)."""
-        from turnscale.actors.engine import tensor_digest
+        """Checksum the engine's weights against the pulled bytes, as the engine stores them
+        (engines that can read them back; ``actors.engine.mismatched_weights``)."""
+        from turnscale.actors.engine import mismatched_weights
 
-        digest = getattr(engine, "weights_digest", None)
-        if digest is None:
-            return
-        names = list(tensors)
-        got = await trio.to_thread.run_sync(digest, names, manifest.dtype, manifest.checksum_algo)
-        if got is None:
-            return
-        want = await trio.to_thread.run_sync(tensor_digest, tensors, manifest.dtype, manifest.checksum_algo)
-        bad = [n for n in names if got.get(n) != want[n]]
+        bad = await trio.to_thread.run_sync(mismatched_weights, engine, tensors, manifest.dtype, manifest.checksum_algo)
         if bad:
             self.stats.torn_weights += 1
             self.applied = None

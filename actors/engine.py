@@ -198,6 +198,10 @@ class Engine(Protocol):
         """``algo`` checksum of each named weight as ``dtype`` bytes, or None when the engine
         cannot read its weights back in the transfer layout (e.g. vLLM repacks them)."""
 
+    def storage_dtypes(self, names: Sequence[str]) -> dict[str, "torch.dtype"]:
+        """The dtype each named weight is stored in (when it differs from the transfer dtype
+        the swap rounds it; ``mismatched_weights`` compares like with like)."""
+
 
 def tensor_digest(tensors: Mapping[str, Any], dtype: str, algo: str) -> dict[str, int]:
     """``algo`` checksum of each tensor's bytes as ``dtype`` (torch tensors or numpy arrays)."""
@@ -216,6 +220,28 @@ def tensor_digest(tensors: Mapping[str, Any], dtype: str, algo: str) -> dict[str
             data = np.ascontiguousarray(t).view(np.uint8)
         out[name] = checksums.checksum(algo, data)
     return out
+
+
+def mismatched_weights(engine: Any, tensors: Mapping[str, Any], dtype: str, algo: str) -> list[str] | None:
+    """Names of the weights ``engine`` holds that differ from the pulled ``tensors`` (transfer
+    ``dtype``), or None when the engine cannot read its weights back.
+
+    Like is compared with like: an engine that stores a weight in another dtype than the
+    transfer's (an hf engine in bfloat16 fed float32) holds the rounded values, so the pulled
+    tensor is first cast to the engine's storage dtype (``Engine.storage_dtypes``), exactly as
+    the swap did, and both sides are checksummed as ``dtype`` bytes."""
+    digest = getattr(engine, "weights_digest", None)
+    if digest is None:
+        return None
+    names = list(tensors)
+    got = digest(names, dtype, algo)
+    if got is None:
+        return None
+    stored = getattr(engine, "storage_dtypes", None)
+    storage = stored(names) if stored is not None else {}
+    as_stored = {n: (t.to(storage[n]) if n in storage and hasattr(t, "to") else t) for n, t in tensors.items()}
+    want = tensor_digest(as_stored, dtype, algo)
+    return [n for n in names if got.get(n) != want[n]]
 
 
 # ----------------------------------------------------------------------------- bridge

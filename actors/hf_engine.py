@@ -280,6 +280,11 @@ class HFEngine(ThreadedEngine):
         state = self.model.state_dict()
         return tensor_digest({n: state[n] for n in names if n in state}, dtype, algo)
 
+    def storage_dtypes(self, names) -> dict[str, torch.dtype]:
+        """See ``Engine.storage_dtypes``."""
+        state = self.model.state_dict()
+        return {n: state[n].dtype for n in names if n in state}
+
     def _apply_weights(self, tensors: Mapping[str, Any]) -> None:
         """Copy every tensor into the model (names and shapes were checked at hand-over).
 

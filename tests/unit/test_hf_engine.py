@@ -277,3 +277,29 @@ def test_next_turn_reuses_the_previous_turns_kv_exactly(tiny_model_dir):
     finally:
         eng.close()
         cold.close()
+
+
+def test_weight_check_passes_an_engine_that_stores_weights_in_another_dtype_and_catches_real_damage(tiny_model_dir):
+    """An engine in bfloat16 fed float32 transfer bytes holds the rounded values: the check
+    after a swap (``actor.verify_weights``) must compare like with like — the pulled bytes as
+    the engine stores them — or every version reads as torn and the actor re-pulls forever.
+    A weight that really differs is still caught."""
+    from turnscale.actors.engine import mismatched_weights
+
+    eng = HFEngine(EngineConfig(max_batch=2, dtype="bfloat16"), tiny_model_dir)
+    try:
+        pulled = {n: (t.detach().float() * 1.001).contiguous() for n, t in eng.model.state_dict().items()
+                  if t.is_floating_point()}  # float32 bytes, not representable in bf16
+
+        async def main():
+            with trio.fail_after(60):
+                await eng.load_weights(1, pulled).wait()
+
+        trio.run(main)
+        assert mismatched_weights(eng, pulled, "float32", "crc32c") == []
+        name = next(iter(pulled))
+        with torch.no_grad():
+            eng.model.state_dict()[name].add_(1.0)  # damage after the swap
+        assert mismatched_weights(eng, pulled, "float32", "crc32c") == [name]
+    finally:
+        eng.close()
