@@ -38,7 +38,7 @@ applied*; each link has exactly one writer and only ever follows the link before
    bytes or the engine broke (``EngineBroken`` rebuilds the engine).  A failed swap
    leaves it as it was and the weights task pulls again.
 
-Relays (``ActorDeps.relay``, ``actors/relay.py``; docs/ARCHITECTURE.md "Weight fan-out").
+Relays (``ActorDeps.relay``, ``actors/relay.py``; docs/architecture.md "Weight fan-out").
 The actor's ``RelayServer`` serves other actors the chunks it holds, read-only, from the
 same two receive buffers: ``_pull`` registers the free buffer for the new version
 (``begin``) before the pull writes a byte into it, which withdraws the version it held

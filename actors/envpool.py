@@ -11,7 +11,7 @@ Closing is bounded: ``release`` closes a lease's broken instances concurrently, 
 from cancellation, within one ``CLOSE_TIMEOUT_S`` together; ``close(timeout_s)`` closes
 every instance concurrently within ``timeout_s``.  An instance not closed in time is left
 to the server's idle expiry: a stopping actor whose env server is gone must still exit
-within seconds (docs/ARCHITECTURE.md, "Graceful stop").
+within seconds (docs/architecture.md, "Graceful stop").
 
 ``EnvSession`` (``reset(data_idx) -> (observation, info)``, ``step(action) ->
 (observation, reward, done, info)``) is what the episode runner drives.

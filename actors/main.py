@@ -223,7 +223,7 @@ def exit_now(code: int) -> None:
     Everything the actor owns is closed by then (sessions, env instances, engine, sockets);
     what remains is interpreter teardown of torch/transformers (seconds on a loaded host) and
     any engine thread a library left behind (vLLM's), which would push a stopped actor past
-    Slurm's ``KillWait`` (docs/ARCHITECTURE.md, "Graceful stop")."""
+    Slurm's ``KillWait`` (docs/architecture.md, "Graceful stop")."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

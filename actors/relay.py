@@ -1,5 +1,5 @@
 """An actor's chunk server: serves the weight chunks this actor has already verified to
-other actors (the relay tree, ``learner.relay`` and docs/ARCHITECTURE.md "Weight fan-out").
+other actors (the relay tree, ``learner.relay`` and docs/architecture.md "Weight fan-out").
 
 Same wire as the learner's weights ROUTER (``learner/weights.py``): frames in are
 ``[identity, request_id, *WeightChunkRequest]``, frames out ``[identity, request_id,

@@ -364,7 +364,7 @@ class ActorCurveConfig:
 
 @dataclass(kw_only=True)
 class RelayConfig:
-    """Weight fan-out through actor relays (docs/ARCHITECTURE.md, "Weight fan-out")."""
+    """Weight fan-out through actor relays (docs/architecture.md, "Weight fan-out")."""
 
     enabled: bool = True
     """Actors that advertise a relay endpoint (``Hello.relay_endpoint``) are placed in a

@@ -1,4 +1,4 @@
-"""Which relays each actor asks for weight chunks (docs/ARCHITECTURE.md, "Weight fan-out").
+"""Which relays each actor asks for weight chunks (docs/architecture.md, "Weight fan-out").
 
 Actors that advertise a relay (``Hello.relay_endpoint``) form a tree with fan-out ``k``
 in registration order, the learner its root: actor ``i`` (0-based among the relaying

@@ -14,7 +14,7 @@ also searches the repository root for its subpackages, so ``turnscale.actors`` i
 ``actors/`` folder: the code a test or a role process runs is the code in that checkout.
 
 This file is the namespace root and stays free of imports: importing ``turnscale.protocol``
-pulls in no application module (docs/ARCHITECTURE.md, Layers).
+pulls in no application module (docs/architecture.md, Layers).
 """
 
 import os as _os

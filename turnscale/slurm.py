@@ -25,7 +25,7 @@ Every job gets the Hydra overrides given on the command line (minus ``slurm.*``)
 tasks of the pool's script (``sbatch --array=a-b``); ``drain(actor_id)`` needs nothing
 more than the learner's drain (the actor exits by itself and its array task ends), and
 ``cancel(actor_id)`` is ``scancel <job>_<task>`` for an actor that must go now (SIGTERM:
-it stops within seconds, docs/ARCHITECTURE.md "Graceful stop").
+it stops within seconds, docs/architecture.md "Graceful stop").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layered imports (docs/ARCHITECTURE.md, "Layers").
+"""Layered imports (docs/architecture.md, "Layers").
 
 Every ``.py`` of the packages below is parsed with ``ast``; every import counts, lazy ones inside
 functions included, relative ones resolved.  A string constant that names a module of this
