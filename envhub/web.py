@@ -27,8 +27,8 @@ then shows the page.  ``stop [answer]`` ends the episode: the task's evaluator d
 reward, terminated, truncated, info}``; ``terminated`` is sent beside ``done``).
 
 Failure: a crashed page or dead browser raises ``BrowserBroken`` from ``step`` (the server
-marks the instance broken; the client replaces it); a session found broken at ``reset`` is
-replaced there.  ``GET /expert`` is the oracle's next action (``envhub.web_oracle``).
+marks the instance broken; the client replaces it); a session found unusable at ``reset`` (crashed, or
+made in a browser that has since died and been relaunched) is replaced there.  ``GET /expert`` is the oracle's next action (``envhub.web_oracle``).
 
 Options (``env.options``): ``chromium`` (path, default ``/usr/bin/chromium``),
 ``obs_max_tokens`` (default 2048), ``nav_timeout_s`` (default 20), ``num_tasks`` (default 4400),
@@ -162,7 +162,7 @@ class WebEnv:
     def reset(self, data_idx: int) -> ResetResult:
         fam = self.fam
         t = task(data_idx % fam.n_tasks)
-        if self.session is not None and (self.session.broken or not fam.pool_alive()):
+        if self.session is not None and not fam.pool.usable(self.session):
             fam.pool.close_session(self.session)
             self.session = None
         if self.session is None:
@@ -256,9 +256,6 @@ class WebFamily:
         except Exception:
             self.pool.close()
             raise
-
-    def pool_alive(self) -> bool:
-        return self.pool.connected()
 
     def create(self) -> WebEnv:
         return WebEnv(self)
