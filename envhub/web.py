@@ -16,7 +16,8 @@ context's cookies and tabs, opens the task's start page and answers the first ob
     OBJECTIVE: <the task>
     PREVIOUS ACTION: None
 
-The tree is cut at ``obs_max_tokens`` (a token counted as 4 characters) at a line boundary, with
+The tree is cut at ``obs_max_tokens`` at a line boundary (tokens counted with the local tokenizer
+folder in option ``tokenizer`` when set, else as 4 characters each), with
 a ``[... N more lines truncated]`` line.  ``step(reply)`` takes the reply's first back-tick
 block (``envhub.webarena_actions``); an invalid action, or one naming an element that is not
 on the page, is a normal step (reward 0, not done) whose observation starts with the error and
@@ -26,8 +27,8 @@ then shows the page.  ``stop [answer]`` ends the episode: the task's evaluator d
 reward, terminated, truncated, info}``; ``terminated`` is sent beside ``done``).
 
 Failure: a crashed page or dead browser raises ``BrowserBroken`` from ``step`` (the server
-marks the instance broken; the client replaces it); a session found broken at ``reset`` is
-replaced there.  ``GET /expert`` is the oracle's next action (``envhub.web_oracle``).
+marks the instance broken; the client replaces it); a session found unusable at ``reset`` (crashed, or
+made in a browser that has since died and been relaunched) is replaced there.  ``GET /expert`` is the oracle's next action (``envhub.web_oracle``).
 
 Options (``env.options``): ``chromium`` (path, default ``/usr/bin/chromium``),
 ``obs_max_tokens`` (default 2048), ``nav_timeout_s`` (default 20), ``num_tasks`` (default 4400),
@@ -44,7 +45,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from turnscale.envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
 from turnscale.envhub.options import read_options
@@ -54,23 +55,43 @@ from turnscale.envhub.web_tasks import evaluate, needs_state, task
 from turnscale.envhub.webarena_actions import ActionError, extract_action, format_action, parse_action
 
 OPTIONS: dict[str, Any] = {"chromium": "/usr/bin/chromium", "obs_max_tokens": 2048, "nav_timeout_s": 20.0, "num_tasks": 4400,
-                           "viewport_only": True}
+                           "viewport_only": True, "tokenizer": ""}
 """Every option this family reads, with its default (documented in the module docstring)."""
 CHARS_PER_TOKEN = 4
 
 
-def truncate_tree(tree: str, max_tokens: int) -> str:
-    """``tree`` cut to ``max_tokens * CHARS_PER_TOKEN`` characters at a line boundary."""
-    budget = max_tokens * CHARS_PER_TOKEN
-    if len(tree) <= budget:
+def truncate_tree(tree: str, max_tokens: int, count_tokens: Callable[[str], int] | None = None) -> str:
+    """``tree`` cut at a line boundary to at most ``max_tokens`` tokens.
+
+    Tokens are counted with ``count_tokens`` (e.g. ``len(tokenizer.encode(text))``) when one is given,
+    else estimated as ``CHARS_PER_TOKEN`` characters each (the fallback when no tokenizer is available).
+    Invariant: the kept lines are a prefix of ``tree`` and fit the budget under the chosen count."""
+    if count_tokens is None:
+        def count_tokens(text: str) -> int:
+            return len(text) / CHARS_PER_TOKEN  # type: ignore[return-value]  # fractional: exact char budget
+    if count_tokens(tree) <= max_tokens:
         return tree
-    lines, out, used = tree.split("\n"), [], 0
+    lines, out, used = tree.split("\n"), [], 0.0
     for line in lines:
-        if used + len(line) + 1 > budget:
+        cost = count_tokens(line + "\n")  # per line: linear in the tree, a sum >= the joined count
+        if used + cost > max_tokens:
             break
         out.append(line)
-        used += len(line) + 1
+        used += cost
     return "\n".join(out) + f"\n[... {len(lines) - len(out)} more lines truncated]"
+
+
+def token_counter(tokenizer: str) -> Callable[[str], int] | None:
+    """The token count of the tokenizer in local folder ``tokenizer`` (no download), or ``None`` for ``""``
+    (then the ``CHARS_PER_TOKEN`` estimate is used). A folder without a tokenizer raises ``ValueError``."""
+    if not tokenizer:
+        return None
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    except Exception as exc:
+        raise ValueError(f"config key 'env.options.tokenizer': no tokenizer in {tokenizer!r}: {exc}") from exc
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
 
 
 class SiteProcess:
@@ -133,7 +154,7 @@ class WebEnv:
         tabs, tree, url = self.fam.pool.call(grab(), timeout_s=self.fam.nav_timeout_s + 10)
         self.url = url
         head = f"{error}\n\n" if error else ""
-        self.obs = (f"{head}OBSERVATION:\n{tabs}\n\n{truncate_tree(tree, self.fam.obs_max_tokens)}\nURL: {url}\n"
+        self.obs = (f"{head}OBSERVATION:\n{tabs}\n\n{truncate_tree(tree, self.fam.obs_max_tokens, self.fam.count_tokens)}\nURL: {url}\n"
                     f"OBJECTIVE: {self.task.objective}\nPREVIOUS ACTION: {self.prev}")
         return self.obs
 
@@ -141,7 +162,7 @@ class WebEnv:
     def reset(self, data_idx: int) -> ResetResult:
         fam = self.fam
         t = task(data_idx % fam.n_tasks)
-        if self.session is not None and (self.session.broken or not fam.pool_alive()):
+        if self.session is not None and not fam.pool.usable(self.session):
             fam.pool.close_session(self.session)
             self.session = None
         if self.session is None:
@@ -221,22 +242,20 @@ class WebFamily:
     agentgym = AgentGymShape()
 
     def __init__(self, chromium: str = "/usr/bin/chromium", obs_max_tokens: int = 2048, nav_timeout_s: float = 20.0,
-                 num_tasks: int = 4400, viewport_only: bool = True) -> None:
+                 num_tasks: int = 4400, viewport_only: bool = True, tokenizer: str = "") -> None:
         if num_tasks < 1:
             raise ValueError("config key 'env.options.num_tasks': must be >= 1")
         if obs_max_tokens < 64:
             raise ValueError("config key 'env.options.obs_max_tokens': must be >= 64")
         self.n_tasks, self.obs_max_tokens, self.nav_timeout_s = num_tasks, obs_max_tokens, nav_timeout_s
         self.viewport_only = bool(viewport_only)
+        self.count_tokens = token_counter(tokenizer)
         self.pool = BrowserPool(chromium, nav_timeout_s=nav_timeout_s)
         try:
             self.sites = SiteProcess()
         except Exception:
             self.pool.close()
             raise
-
-    def pool_alive(self) -> bool:
-        return self.pool.connected()
 
     def create(self) -> WebEnv:
         return WebEnv(self)

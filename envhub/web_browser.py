@@ -154,10 +154,15 @@ class BrowserPool:
         """Whether the browser process is alive (as far as Playwright knows)."""
         return self._browser is not None and self._browser.is_connected()
 
-    def check(self, s: Session) -> None:
+    def usable(self, s: Session) -> bool:
+        """Whether ``s`` can still be used: not crashed, and its context lives in the current,
+        connected browser (a session made before a relaunch belongs to the dead one)."""
         if not s.broken and (not self.connected() or s.context.browser is not self._browser):
             s.broken = "the browser process died"
-        if s.broken:
+        return not s.broken
+
+    def check(self, s: Session) -> None:
+        if not self.usable(s):
             raise BrowserBroken(f"browser session unusable: {s.broken}")
 
     def browser_pids(self) -> list[int]:

@@ -211,3 +211,22 @@ def test_oracle_solves_at_least_95_percent_of_every_task_of_sampled_world_seeds(
     results = {idx: success for idx, _steps, success, _ret, _tpl in play_oracle(ids, MAX_TURNS)}
     failed = sorted(i for i, ok in results.items() if not ok)
     assert len(results) == len(ids) and len(failed) <= 0.05 * len(ids), failed
+
+
+def test_an_idle_instance_from_before_a_browser_relaunch_gets_a_new_context_at_reset(fresh_family):
+    """The browser died and a newer instance already relaunched it: the idle instance's context
+    belongs to the dead browser, and its next reset replaces it instead of failing."""
+    idle = fresh_family.create()
+    idle.reset(0)
+    os.kill(fresh_family.pool.browser_pids()[0], signal.SIGKILL)
+    newer = fresh_family.create()
+    for _ in range(100):  # Playwright notices the disconnect asynchronously; bounded
+        try:
+            newer.reset(1)
+            break
+        except Exception:
+            newer = fresh_family.create()
+    assert fresh_family.pool.relaunches >= 1 and fresh_family.pool.connected()
+    assert play_oracle(idle, 2).info["success"]
+    idle.close()
+    newer.close()

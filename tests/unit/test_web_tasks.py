@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from turnscale.envhub.web import truncate_tree
+from turnscale.envhub.web import token_counter, truncate_tree
 from turnscale.envhub.web_data import CATEGORIES, FORUMS, N_POSTS, N_PRODUCTS, world
 from turnscale.envhub.web_oracle import MAX_SCROLLS, OracleLost, WebOracle, element_id
 from turnscale.envhub.web_tasks import TASKS_PER_SEED, TEMPLATES, Evaluator, evaluate, task
@@ -106,3 +106,24 @@ def test_id_files_split_by_seed_and_by_template_and_parse_as_task_specs(tmp_path
     assert all(task(i).seed >= 100 for name in specs if name != "train" for i, _ in specs[name])
     with pytest.raises(ValueError, match="unknown web task templates"):
         main([str(tmp_path), "--held-out", "nope"])
+
+
+def test_tree_budget_is_counted_with_the_tokenizer_when_one_is_given():
+    tree = "\n".join(f"[{i}] link 'alphabetical-navigation-item'" for i in range(200))
+    words = lambda text: len(text.split())  # a stand-in tokenizer: one token per word  # noqa: E731
+    out = truncate_tree(tree, 64, count_tokens=words)
+    body, last = out.rsplit("\n", 1)
+    assert words(body) <= 64 and tree.startswith(body) and "more lines truncated" in last
+    assert len(body) > 64 * 4  # the 4-chars estimate would have cut far earlier than the word count
+    assert truncate_tree("short tree", 64, count_tokens=words) == "short tree"
+
+
+def test_observation_budget_uses_a_local_tokenizer_folder_and_rejects_a_missing_one(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+    count = token_counter(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    text = "[3] link 'Upvote' focused: True"
+    assert count(text) == len(tok.encode(text, add_special_tokens=False))
+    assert token_counter("") is None
+    with pytest.raises(ValueError, match="env.options.tokenizer"):
+        token_counter(str(tmp_path))
