@@ -199,6 +199,20 @@ class SlurmBackend:
         self.submitted[pool] = last + 1
         self.pools[pool] = n
 
+    def live(self, pool: str) -> int:
+        """Array tasks of ``pool`` that Slurm still holds (pending or running), from
+        ``squeue``: a task whose node died (or that crashed) is no longer counted, unlike
+        "submitted minus drained"."""
+        out = self.runner(["squeue", "--noheader", "--array", "--states=PENDING,CONFIGURING,RUNNING",
+                           f"--name=ts-actors-{pool}", "--format=%i"])
+        return sum(1 for line in out.splitlines() if line.strip())
+
+    def refresh(self) -> dict[str, int]:
+        """Set ``self.pools`` from ``squeue`` (``live``) so that ``scale_to`` replaces lost actors."""
+        for pool in list(self.pools):
+            self.pools[pool] = self.live(pool)
+        return dict(self.pools)
+
     def drain(self, actor_id: str) -> None:
         """The learner drains it; the actor exits by itself and its array task ends."""
         self.drained.append(actor_id)

@@ -204,3 +204,23 @@ def _wait_for(marker: Path, proc: subprocess.Popen, timeout_s: float = 30) -> No
         assert time.monotonic() < deadline, f"{marker.name} not written within {timeout_s:.0f}s"
         time.sleep(0.05)
     assert proc.poll() is None
+
+
+def test_slurm_backend_counts_live_array_tasks_from_squeue_and_replaces_lost_ones(tmp_path):
+    """A crashed actor (its node died) vanishes from ``squeue``: ``refresh`` counts what Slurm
+    still holds, and ``scale_to`` then submits replacements (unit test, recording runner)."""
+    calls: list[list[str]] = []
+    queue = {"cpu": "103_0\n103_1\n"}
+
+    def runner(cmd):
+        calls.append(list(cmd))
+        if cmd[0] == "squeue":
+            name = [a for a in cmd if a.startswith("--name=")][0].removeprefix("--name=ts-actors-")
+            return queue.get(name, "")
+        return "200;cluster\n"
+
+    b = slurm.SlurmBackend(tmp_path, {"cpu": 3}, runner=runner)
+    assert b.refresh() == {"cpu": 2}  # one of three lost
+    assert "--name=ts-actors-cpu" in calls[0]
+    b.scale_to("cpu", 3)
+    assert calls[-1] == ["sbatch", "--parsable", "--array=3-3", str(tmp_path / "actors-cpu.sbatch")]
