@@ -13,9 +13,11 @@ Several nodes (``net``: a ``cluster.netns.Cluster`` with one host per node name)
 runs inside its node's network namespace (``nsenter --net=``), declared at that host's
 address, so the jobs it starts live there too (a learner job publishes its node's address);
 ``slurmctld`` and the client commands stay in the root namespace and are reached at the
-bridge address (``Cluster.expose()``).  A node declared with ``start=False`` stays DOWN until
-``start_node`` (a node joining at run time, pre-declared: see README "Running on a cluster"
-for dynamic nodes on this Slurm version); ``kill_node`` kills
+bridge address (``Cluster.expose()``).  A node joins at run time with ``join_node``: a
+dynamic node (``slurmd -Z --conf "CPUs=.. Features=.."``, which Slurm 22.05 accepts once
+``MaxNodeCount`` is set: ``max_nodes``), registering at its namespace's address and taking jobs
+of the default partition (``Nodes=ALL``).  A node declared with ``start=False`` stays DOWN
+until ``start_node`` (also the way to bring a killed node back); ``kill_node`` kills
 every process on the node at once (its slurmd and the jobs' processes), as a crashed host.
 
 Teardown (``close``, also on failure): every job of this cluster is cancelled, the daemons
@@ -69,6 +71,7 @@ class FakeSlurm:
     nodes: Sequence[Node]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     net: Any = None  # a cluster.netns.Cluster with a host per node: one slurmd per namespace
+    max_nodes: int = 0  # > 0: MaxNodeCount, room for dynamic nodes (join_node)
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder).resolve()
@@ -107,6 +110,8 @@ class FakeSlurm:
             addr = self.net.addr(n.name) if self.net is not None else "127.0.0.1"
             lines.append(f"NodeName={n.name} NodeAddr={addr} NodeHostname={host} Port={self.node_ports[n.name]} "
                          f"CPUs={n.cpus} RealMemory=4000{feats} State=UNKNOWN")
+        if self.max_nodes:
+            lines.append(f"MaxNodeCount={self.max_nodes}")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 
@@ -149,6 +154,20 @@ class FakeSlurm:
         registers and, with ``ReturnToService=2``, takes jobs once up."""
         self._slurmd(name)
         self.wait_up([name], timeout_s)
+
+    def join_node(self, node: Node, timeout_s: float = 60) -> None:
+        """A dynamic node joins the running cluster (``slurmd -Z``; needs ``net`` with a host
+        named ``node.name`` and ``max_nodes``): once it is up, jobs asking for its features run
+        there."""
+        if self.net is None or not self.max_nodes:
+            raise RuntimeError("join_node needs a FakeSlurm with net= and max_nodes > 0")
+        (self.folder / "spool" / node.name).mkdir(parents=True, exist_ok=True)
+        spec = f"CPUs={node.cpus} RealMemory=4000" + (f" Features={','.join(node.features)}" if node.features else "")
+        argv = ["slurmd", "-D", "-Z", "--conf", spec, "-N", node.name, "-f", str(self.conf)]
+        out = open(self.folder / "logs" / f"slurmd-{node.name}.out", "ab")
+        self.procs[f"slurmd-{node.name}"] = self.net.spawn(node.name, argv, env=self.env(), stdout=out,
+                                                          stderr=subprocess.STDOUT)
+        self.wait_up([node.name], timeout_s)
 
     def kill_node(self, name: str) -> None:
         """The node crashes: SIGKILL to every process on it (needs ``net``: its slurmd and the

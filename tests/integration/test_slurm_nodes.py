@@ -49,13 +49,13 @@ def _where(c: FakeSlurm, pool: str) -> dict[str, str]:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not OK, reason=WHY)
 @pytest.mark.skipif(not NS_OK, reason=NS_WHY)
-def test_jobs_follow_node_features_and_a_killed_node_is_replaced_and_a_late_node_takes_work(tmp_path):
+def test_jobs_follow_node_features_a_killed_node_is_replaced_and_late_and_dynamic_nodes_take_work(tmp_path):
     from turnscale.slurm import SlurmBackend
 
-    net = netns.Cluster(["n1", "n2", "n3", "n4"])
+    net = netns.Cluster(["n1", "n2", "n3", "n4", "n5"])
     c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=2), Node("n2", ("cpu",), cpus=2),
                                        Node("n3", ("cpu2",), cpus=2), Node("n4", ("gpu",), cpus=2, start=False)],
-                  net=net)
+                  net=net, max_nodes=8)
 
     def runner(cmd):
         return subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=60, env=c.env()).stdout
@@ -91,11 +91,24 @@ def test_jobs_follow_node_features_and_a_killed_node_is_replaced_and_a_late_node
         other = ({"n1", "n2"} - {victim}).pop()
         _wait(lambda: sorted(_where(c, "cpu").values()) == [other, other], 120, f"two cpu tasks on {other}")
 
-        # 3. a gpu task waits (no gpu node up) until n4 joins, then runs there
+        # 3. a gpu task waits (no gpu node up) until n4 (declared, DOWN) comes up, then runs there
         b.scale_to("gpu", 1)
         assert b.live("gpu") == 1 and not _where(c, "gpu")
         c.start_node("n4", 120)
         _wait(lambda: list(_where(c, "gpu").values()) == ["n4"], 120, "the gpu task on n4")
+
+        # 4. a node that Slurm did not know joins at run time (dynamic node, slurmd -Z) with a
+        #    new feature, tpu; then the tpu pool's task runs there, inside n5's namespace
+        #    (sbatch refuses a constraint no node has yet: the pool is scaled after the join)
+        assert "n5" not in c.node_states()
+        c.join_node(Node("n5", ("tpu",), cpus=2), 120)
+        _script(tmp_path, "tpu", "tpu")
+        b.pools["tpu"] = 0
+        b.scale_to("tpu", 1)
+        _wait(lambda: list(_where(c, "tpu").values()) == ["n5"], 120, "the tpu task on the dynamic node n5")
+        addr = _wait(lambda: next((t for t in (p.read_text().strip() for p in tmp_path.glob("tpu-*.log")) if t), ""),
+                     60, "the tpu task's output")
+        assert addr == net.addr("n5"), (addr, net.addr("n5"))
     except BaseException:
         print(c.tail("slurmctld", 40))
         print(c.run(["sinfo", "-N", "-l"]))
