@@ -139,6 +139,7 @@ def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: lis
     lines = _sbatch_header(f"ts-actors-{pool.name}", f"{run}/logs/actors-{pool.name}-%A_%a.log",
                            partition=pool.partition or s.partition, account=s.account, time=s.time,
                            cpus=pool.cpus_per_task, constraint=pool.constraint, gres=pool.gres, array=array)
+    lines.append("#SBATCH --no-requeue  # a task lost with its node is replaced by SlurmBackend under a new actor id")
     lines += [f"# turnscale actors of pool {pool.name!r}: one actor per array task",
               "set -euo pipefail", f"cd {shlex.quote(workdir)}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(pool.env.items())]

@@ -89,6 +89,7 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
     ends by itself.  The learner job is then cancelled (it checkpoints and exits); every
     job ends; nothing was trained twice."""
     from turnscale.control import Autoscaler, LearnerControl
+    from turnscale.protocol.errors import PeerTimeout
     from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
     from turnscale.slurm import SlurmBackend
 
@@ -113,7 +114,15 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
         learner_job = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("learner.sbatch"))
         _wait(lambda: (run / "learner.addr").exists(), 120, "learner.addr")
         control = LearnerControl("127.0.0.1", ports[0], timeout_s=30)
-        _wait(lambda: len(control.status().actors) == 1 and control.status().step >= 1, 240, "one actor and a step")
+
+        def started() -> bool:  # a learner still loading under load answers no status yet
+            try:
+                st = control.status()
+            except PeerTimeout:
+                return False
+            return len(st.actors) == 1 and st.step >= 1
+
+        _wait(started, 300, "one actor and a step")
 
         def sbatch(cmd):
             return subprocess.run(list(cmd), env=c.env(), capture_output=True, text=True, check=True, timeout=60).stdout
