@@ -118,3 +118,114 @@ def test_jobs_follow_node_features_a_killed_node_is_replaced_and_late_and_dynami
         net.close()
         assert not c.stray_pids(), "a job process survived the teardown"
         assert not netns.leftovers(net.prefix), netns.leftovers(net.prefix)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.skipif(not NS_OK, reason=NS_WHY)
+def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces_the_actor_on_another_node(
+        tmp_path, tiny_model_dir):
+    """A run through ``turnscale slurm`` on three fake nodes (learner + envhub on ``n1``, the
+    cpu pool's actor on ``n2`` or ``n3``).  The actor's node dies (every process on it
+    SIGKILLed) while the actor holds a lease: the learner re-issues that lease after
+    ``lease_ttl_s``, ``Autoscaler.tick`` (``SlurmBackend.refresh`` from squeue) submits a
+    replacement that runs on the other cpu node and trains; nothing is trained twice."""
+    import sys
+
+    from turnscale.control import Autoscaler, LearnerControl
+    from turnscale.protocol.errors import PeerTimeout
+    from turnscale.protocol.transport import free_port
+    from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
+    from turnscale.slurm import SlurmBackend
+    from tests.conftest import REPO_ROOT
+    from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
+    from tests.integration.test_slurm_cluster import _logs
+
+    net = netns.Cluster(["n1", "n2", "n3"])
+    c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("svc",), cpus=2), Node("n2", ("cpu",), cpus=1),
+                                       Node("n3", ("cpu",), cpus=1)], net=net)
+    run = tmp_path / "run"
+    ports = [free_port() for _ in range(4)]
+    overrides = [
+        f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
+        "slurm.envhub_cpus=1", "slurm.wait_s=300", "slurm.learner_constraint=svc",
+        "slurm.pools=[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
+        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}", f"env.port={ports[3]}",
+        f"model.path={tiny_model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
+        "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", "learner.groups_per_step=1",
+        "learner.max_staleness=1", "learner.steps=100000", "learner.heartbeat_interval_s=1", "learner.lease_ttl_s=15",
+        "logger.tensorboard=false", "logger.console_every_s=0", "actor.max_groups=1", "actor.request_timeout_s=10",
+        "actor.reconnect_max_backoff_s=1", "actor.weights_shm=false",
+    ]
+    control = None
+    try:
+        c.start(120)
+        out = subprocess.run([sys.executable, "-m", "turnscale", "slurm", *overrides], env=c.env(), capture_output=True,
+                             text=True, timeout=120, cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        learner_job = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("learner.sbatch"))
+        _wait(lambda: (run / "learner.addr").exists(), 180, "learner.addr")
+        host = (run / "learner.addr").read_text().split()[0]
+        assert host == net.addr("n1")
+        control = LearnerControl(host, ports[0], timeout_s=30)
+        def started() -> bool:  # a learner still loading under load answers no status yet
+            try:
+                st = control.status()
+            except PeerTimeout:
+                return False
+            return len(st.actors) == 1 and st.step >= 1
+
+        _wait(started, 300, "one actor and a step")
+        first = control.status().actors[0].actor_id
+        where = _where(c, "cpu")
+        assert len(where) == 1
+        victim = next(iter(where.values()))
+        other = ({"n2", "n3"} - {victim}).pop()
+
+        backend = SlurmBackend(run, {"cpu": 1}, runner=lambda cmd: subprocess.run(
+            list(cmd), env=c.env(), capture_output=True, text=True, check=True, timeout=60).stdout)
+        policy = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=1),), window=2, max_leases=1)
+        auto = Autoscaler(control=control, controller=ScalingController(policy, wanted={"cpu": 1}), backend=backend)
+        auto.tick()
+        assert backend.submitted["cpu"] == 1  # nothing lost yet: nothing submitted
+
+        _wait(lambda: any(a.actor_id == first and a.leases > 0 for a in control.status().actors), 120,
+              f"{first} holding a lease")
+        killed_at = control.status().step
+        c.kill_node(victim)
+
+        def replaced() -> bool:
+            auto.tick()
+            return any(a.actor_id != first for a in control.status().actors)
+
+        _wait(lambda: replaced(), 420, "a replacement actor registering")
+        assert backend.submitted["cpu"] == 2
+        assert list(_where(c, "cpu").values()) == [other]
+        _wait(lambda: control.status().step >= killed_at + 2, 300, "two steps after the node died")
+        _wait(lambda: "expired; re-issued" in _learner_log(run), 120, "the dead actor's lease re-issued")
+        c.run(["scancel", "--full", learner_job])
+        _wait(lambda: not c.jobs(), 300, "every job ending")
+        log = _learner_log(run)
+        trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
+        assert {t["actor_id"] for t in trajs if t["accepted"]} >= {first}
+        assert any(t["actor_id"] != first and t["accepted"] for t in trajs), "the replacement trained nothing"
+        assert "expired; re-issued" in log
+        check_groups(trajs)
+        check_ledger(run / "learner")
+    except BaseException:
+        print(_logs(run))
+        print(c.tail("slurmctld", 40))
+        print(c.run(["sinfo", "-N", "-l"]))
+        raise
+    finally:
+        if control is not None:
+            control.close()
+        c.close()
+        net.close()
+        assert not c.stray_pids(), "a job process survived the teardown"
+        assert not netns.leftovers(net.prefix), netns.leftovers(net.prefix)
+
+
+def _learner_log(run: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("learner-*.log"))
