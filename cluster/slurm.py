@@ -3,10 +3,10 @@
 Debian 12's ``slurm-wlm`` (22.05) with ``AuthType=auth/none``, ``CredType=cred/none``,
 ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``, one-second scheduler
 intervals, per-node spool folders, and node ``Features`` standing for actor pools (count-only
-GRES does not register in this setup).  Nodes are declared on the loopback address, one
-slurmd each with its own port (``NodeName=... Port=``); only one node is exercised so far
-(several slurmd on one address need Slurm's multiple-slurmd build; one slurmd per fake host
-in its own network namespace, ``cluster/netns.py``, is the way to several).  Everything lives
+GRES does not register in this setup).  Without ``net`` nodes are declared on the loopback
+address, one slurmd each with its own port (``NodeName=... Port=``): use one node there
+(several slurmd on one address need Slurm's multiple-slurmd build); several nodes take
+``net`` (below).  Everything lives
 in one folder; commands (``sbatch``, ``squeue``, ``scancel``) get ``SLURM_CONF`` through ``env()``.
 
 Several nodes (``net``: a ``cluster.netns.Cluster`` with one host per node name): each slurmd
