@@ -298,6 +298,27 @@ class Cluster:
     def addr(self, host: str) -> str:
         return str(self.subnet.network_address + self._index[host])
 
+    def expose(self) -> str:
+        """Give the bridge an address (``.254`` of the cluster's /24) so that processes of
+        the root namespace (a test, ``slurmctld``, Slurm's client commands) reach every host
+        and every host reaches them there; returns that address.  Opt-in: it adds one
+        connected route for the cluster's own subnet, which goes away with the bridge in
+        ``close()``.  Idempotent."""
+        gw = str(self.subnet.network_address + 254)
+        r = _ip("-4", "-o", "addr", "show", "dev", self.bridge, check=False)
+        if gw not in r.stdout:
+            _ip("addr", "add", f"{gw}/{self.subnet.prefixlen}", "dev", self.bridge)
+        return gw
+
+    def pids(self, host: str) -> list[int]:
+        """Every process inside ``host``'s namespace."""
+        return _ns_pids(self.netns(host))
+
+    def kill_host(self, host: str, grace_s: float | None = None) -> None:
+        """The host "dies": every process inside its namespace gets SIGTERM, then SIGKILL
+        after ``grace_s`` (the namespace and its link stay; restart things with ``spawn``)."""
+        _kill_pids(self.pids(host), self.kill_grace_s if grace_s is None else grace_s)
+
     # -- building --------------------------------------------------------------------------
     def _build(self, rate_mbit: float | None) -> None:
         _ip("link", "add", self.bridge, "type", "bridge", "stp_state", "0", "forward_delay", "0")

@@ -92,7 +92,30 @@ class Autoscaler:
     last: LearnerStatus | None = None
     decisions: list[Decision] = field(default_factory=list)
 
+    def replace_lost(self) -> dict[str, int]:
+        """Resubmit actors that the resource manager lost: a backend that can count what it
+        really runs (``refresh() -> {pool: live}``, e.g. ``SlurmBackend`` from ``squeue``) is
+        asked for the controller's wanted count of every pool it runs short of (a crashed
+        actor or a dead node's tasks are gone from the queue; the learner meanwhile re-issues
+        their leases when ``lease_ttl_s`` passes).  Pending tasks count as live, so a task
+        waiting for a node is not submitted twice; a draining actor's task still counts until
+        it ends, so a drain never triggers a replacement.  Returns the pools scaled (pool ->
+        wanted); a backend without ``refresh`` is left alone."""
+        refresh = getattr(self.backend, "refresh", None)
+        if refresh is None:
+            return {}
+        have = refresh()
+        out = {}
+        for pool, want in self.controller.wanted.items():
+            if pool in have and have[pool] < want:
+                log.info("scaling: pool %s runs %d of %d actors (lost ones): resubmitting", pool, have[pool], want)
+                self.backend.scale_to(pool, want)
+                out[pool] = want
+        return out
+
     def tick(self) -> Decision | None:
+        """``replace_lost`` first, then one controller round on the learner's status."""
+        self.replace_lost()
         cur = self.control.status()
         prev, self.last = self.last, cur
         if prev is None:

@@ -139,6 +139,7 @@ def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: lis
     lines = _sbatch_header(f"ts-actors-{pool.name}", f"{run}/logs/actors-{pool.name}-%A_%a.log",
                            partition=pool.partition or s.partition, account=s.account, time=s.time,
                            cpus=pool.cpus_per_task, constraint=pool.constraint, gres=pool.gres, array=array)
+    lines.append("#SBATCH --no-requeue  # a task lost with its node is replaced by SlurmBackend under a new actor id")
     lines += [f"# turnscale actors of pool {pool.name!r}: one actor per array task",
               "set -euo pipefail", f"cd {shlex.quote(workdir)}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(pool.env.items())]
@@ -198,6 +199,20 @@ class SlurmBackend:
         self.runner(["sbatch", "--parsable", f"--array={first}-{last}", str(self.folder / f"actors-{pool}.sbatch")])
         self.submitted[pool] = last + 1
         self.pools[pool] = n
+
+    def live(self, pool: str) -> int:
+        """Array tasks of ``pool`` that Slurm still holds (pending or running), from
+        ``squeue``: a task whose node died (or that crashed) is no longer counted, unlike
+        "submitted minus drained"."""
+        out = self.runner(["squeue", "--noheader", "--array", "--states=PENDING,CONFIGURING,RUNNING",
+                           f"--name=ts-actors-{pool}", "--format=%i"])
+        return sum(1 for line in out.splitlines() if line.strip())
+
+    def refresh(self) -> dict[str, int]:
+        """Set ``self.pools`` from ``squeue`` (``live``) so that ``scale_to`` replaces lost actors."""
+        for pool in list(self.pools):
+            self.pools[pool] = self.live(pool)
+        return dict(self.pools)
 
     def drain(self, actor_id: str) -> None:
         """The learner drains it; the actor exits by itself and its array task ends."""

@@ -89,6 +89,7 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
     ends by itself.  The learner job is then cancelled (it checkpoints and exits); every
     job ends; nothing was trained twice."""
     from turnscale.control import Autoscaler, LearnerControl
+    from turnscale.protocol.errors import PeerTimeout
     from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
     from turnscale.slurm import SlurmBackend
 
@@ -113,7 +114,15 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
         learner_job = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("learner.sbatch"))
         _wait(lambda: (run / "learner.addr").exists(), 120, "learner.addr")
         control = LearnerControl("127.0.0.1", ports[0], timeout_s=30)
-        _wait(lambda: len(control.status().actors) == 1 and control.status().step >= 1, 240, "one actor and a step")
+
+        def started() -> bool:  # a learner still loading under load answers no status yet
+            try:
+                st = control.status()
+            except PeerTimeout:
+                return False
+            return len(st.actors) == 1 and st.step >= 1
+
+        _wait(started, 300, "one actor and a step")
 
         def sbatch(cmd):
             return subprocess.run(list(cmd), env=c.env(), capture_output=True, text=True, check=True, timeout=60).stdout
@@ -166,3 +175,47 @@ def _wait(cond, timeout_s: float, what: str, every_s: float = 0.5) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(every_s)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_slurm_backend_sees_a_cancelled_actor_task_in_squeue_and_replaces_it(tmp_path):
+    """Real Slurm: ``SlurmBackend.live`` counts the pool's array tasks from ``squeue``; one
+    task killed (``scancel``, as a lost node would end it) is no longer counted, and
+    ``refresh`` + ``scale_to`` submit a replacement.  The actor script is a ``sleep``."""
+    import os
+
+    from turnscale.slurm import SlurmBackend
+
+    c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=4)])
+    (tmp_path / "actors-cpu.sbatch").write_text(
+        f"#!/bin/bash\n#SBATCH -J ts-actors-cpu\n#SBATCH -o {tmp_path}/a-%A_%a.log\n#SBATCH -c 1\nexec sleep 600\n")
+    env = {**os.environ, **c.env()}
+
+    def runner(cmd):
+        return subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=60, env=env).stdout
+
+    def wait_live(b, n):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and b.live("cpu") != n:
+            time.sleep(0.5)
+        return b.live("cpu")
+
+    try:
+        c.start(90)
+        b = SlurmBackend(tmp_path, {"cpu": 0}, runner=runner)
+        b.scale_to("cpu", 2)
+        assert wait_live(b, 2) == 2
+        job = runner(["squeue", "--noheader", "--array", "--name=ts-actors-cpu", "--format=%i"]).split()[0]
+        runner(["scancel", job])
+        assert wait_live(b, 1) == 1
+        assert b.refresh() == {"cpu": 1}
+        b.scale_to("cpu", 2)
+        assert wait_live(b, 2) == 2
+    except BaseException:
+        print(c.tail("slurmctld", 40))
+        raise
+    finally:
+        c.close()
+        assert not c.stray_pids(), "a job process survived the teardown"

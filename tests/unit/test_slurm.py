@@ -204,3 +204,61 @@ def _wait_for(marker: Path, proc: subprocess.Popen, timeout_s: float = 30) -> No
         assert time.monotonic() < deadline, f"{marker.name} not written within {timeout_s:.0f}s"
         time.sleep(0.05)
     assert proc.poll() is None
+
+
+def test_slurm_backend_counts_live_array_tasks_from_squeue_and_replaces_lost_ones(tmp_path):
+    """A crashed actor (its node died) vanishes from ``squeue``: ``refresh`` counts what Slurm
+    still holds, and ``scale_to`` then submits replacements (unit test, recording runner)."""
+    calls: list[list[str]] = []
+    queue = {"cpu": "103_0\n103_1\n"}
+
+    def runner(cmd):
+        calls.append(list(cmd))
+        if cmd[0] == "squeue":
+            name = [a for a in cmd if a.startswith("--name=")][0].removeprefix("--name=ts-actors-")
+            return queue.get(name, "")
+        return "200;cluster\n"
+
+    b = slurm.SlurmBackend(tmp_path, {"cpu": 3}, runner=runner)
+    assert b.refresh() == {"cpu": 2}  # one of three lost
+    assert "--name=ts-actors-cpu" in calls[0]
+    b.scale_to("cpu", 3)
+    assert calls[-1] == ["sbatch", "--parsable", "--array=3-3", str(tmp_path / "actors-cpu.sbatch")]
+
+
+def test_autoscaler_resubmits_the_actors_a_backend_lost_and_leaves_draining_and_pending_alone():
+    """``Autoscaler.replace_lost``: ``SlurmBackend.refresh`` (its squeue answers faked here; the
+    real one: tests/integration/test_slurm_nodes.py) counts one of two wanted cpu actors: a task
+    is submitted; once squeue shows it (pending) nothing more is; a backend without
+    ``refresh`` is never asked."""
+    from turnscale.control import Autoscaler
+    from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
+    from turnscale.slurm import SlurmBackend
+
+    queue = ["7_0"]
+    calls = []
+
+    def runner(cmd):
+        calls.append(list(cmd))
+        if cmd[0] == "sbatch":
+            queue.append("7_2")
+            return "8\n"
+        return "".join(f"{j}\n" for j in queue)
+
+    policy = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=4),))
+    b = SlurmBackend(Path("/run"), {"cpu": 2}, runner=runner)
+    auto = Autoscaler(control=None, controller=ScalingController(policy, wanted={"cpu": 2}), backend=b)  # type: ignore[arg-type]
+    assert auto.replace_lost() == {"cpu": 2}
+    assert [c for c in calls if c[0] == "sbatch"] == [["sbatch", "--parsable", "--array=2-2", "/run/actors-cpu.sbatch"]]
+    assert auto.replace_lost() == {}
+    assert len([c for c in calls if c[0] == "sbatch"]) == 1
+
+    class NoRefresh:
+        def scale_to(self, pool, n):
+            raise AssertionError("must not be called")
+
+        def drain(self, actor_id):
+            pass
+
+    assert Autoscaler(control=None, controller=ScalingController(policy, wanted={"cpu": 2}),  # type: ignore[arg-type]
+                      backend=NoRefresh()).replace_lost() == {}
