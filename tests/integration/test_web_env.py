@@ -204,10 +204,11 @@ def test_eight_concurrent_instances_stay_within_the_memory_budget(fresh_family):
 
 @pytest.mark.slow
 def test_oracle_solves_at_least_95_percent_of_every_task_of_sampled_world_seeds():
-    """Every task (all eight templates, 40 per seed) of two train and two held-out world seeds."""
+    """Every task (all templates, 40 per seed) of two train world seeds; the whole held-out
+    split is ``test_web_oracle_split.py``."""
     from turnscale.envhub.web import play_oracle, seed_task_ids
 
-    ids = seed_task_ids([0, 57, 100, 109])
+    ids = seed_task_ids([0, 57])
     results = {idx: success for idx, _steps, success, _ret, _tpl in play_oracle(ids, MAX_TURNS)}
     failed = sorted(i for i, ok in results.items() if not ok)
     assert len(results) == len(ids) and len(failed) <= 0.05 * len(ids), failed
