@@ -19,6 +19,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "bench": ("turnscale.benchmarks.main", "throughput benchmarks, as ratios against in-run baselines"),
     "view": ("turnscale.viewer", "browse trajectories of a run directory in a local web app"),
     "slurm": ("turnscale.slurm", "sbatch scripts for a Slurm cluster (learner, envhub, one actor array per pool); --dry-run prints them"),
+    "autoscale": ("turnscale.autoscale", "the scaling loop for a run submitted with turnscale slurm (until the learner is done)"),
     "keys": ("turnscale.keys", "write CURVE key files (learner, actors, authorized/) for non-loopback runs"),
 }
 
