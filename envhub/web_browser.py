@@ -20,12 +20,15 @@ Failure model (invariants):
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger("envhub")
 
 CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
@@ -107,6 +110,7 @@ class BrowserPool:
     async def _launch(self) -> None:
         self._browser = await self._pw.chromium.launch(executable_path=self.executable, headless=True,
                                                        args=[*CHROMIUM_ARGS, self.marker])
+        log.info("chromium launched (%s)", self.marker)  # names this pool's processes (tests, operators)
 
     async def _browser_ok(self) -> Any:
         assert self._lock is not None

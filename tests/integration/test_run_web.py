@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +21,27 @@ pytestmark = [pytest.mark.slow,
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _pool_processes() -> list[int]:
-    """Pids of chromium processes started by any ``envhub.web_browser.BrowserPool``."""
+def _pool_processes(markers: tuple[bytes, ...] = (b"--turnscale-pool=",)) -> list[int]:
+    """Pids of chromium processes started by a ``envhub.web_browser.BrowserPool`` whose marker
+    switch is one of ``markers`` (default: any pool's)."""
     out = []
     for d in os.listdir("/proc"):
         try:
-            if d.isdigit() and b"--turnscale-pool=" in Path(f"/proc/{d}/cmdline").read_bytes():
-                out.append(int(d))
+            argv = Path(f"/proc/{d}/cmdline").read_bytes() if d.isdigit() else b""
         except OSError:
-            pass
+            continue
+        if any(m in argv for m in markers):
+            out.append(int(d))
     return out
+
+
+def _run_markers(run_dir: Path) -> tuple[bytes, ...]:
+    """The pool markers the run's own processes logged at each chromium launch (another test
+    or session on this machine may run browsers of its own meanwhile)."""
+    found = set()
+    for log in (run_dir / "logs").glob("*.log"):
+        found.update(re.findall(r"chromium launched \((--turnscale-pool=[0-9a-f]+)\)", log.read_text(errors="replace")))
+    return tuple(m.encode() for m in sorted(found))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +60,7 @@ def web_run(tmp_path_factory) -> tuple[Path, set[int]]:
 
 
 def test_run_env_web_trains_end_to_end_and_leaves_no_browser(web_run):
-    run_dir, before = web_run
+    run_dir, _ = web_run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["config"]["env"]["name"] == "web"
     assert summary["final"]["episodes"] == 40 and summary["final"]["errors"] == 0
@@ -57,7 +69,9 @@ def test_run_env_web_trains_end_to_end_and_leaves_no_browser(web_run):
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     assert trajs and all(t["env"] == "web" for t in trajs)
     assert any("OBSERVATION:\nTab 0 (current): " in t["prompt"] for t in trajs)
-    assert set(_pool_processes()) <= before  # the envhub's browser went with it
+    markers = _run_markers(run_dir)
+    assert markers, "the run's envhub logged no chromium launch"
+    assert _pool_processes(markers) == []  # the envhub's browser went with it
 
 
 def test_a_new_user_watches_a_web_episode_in_turnscale_view(web_run, tmp_path, browser_page):
