@@ -20,6 +20,7 @@ class FakeWire:
 
     async def __call__(self, steps):
         self.batches.append(list(steps))
+        self.sender = trio.lowlevel.current_task()  # the step_batch call runs in the sending task
         if self.gate is not None:
             await self.gate.wait()
         if self.fail is not None:
@@ -89,47 +90,46 @@ def test_a_failed_batch_fails_every_step_it_carried():
 
 
 def test_a_cancelled_queued_step_is_never_sent_and_a_cancelled_sender_fails_its_batch_as_lost():
+    """Steps 1 and 2 share the batch on the wire; whichever task sends it (trio schedules ready
+    tasks in random order) is cancelled: its step is cancelled and the other learns it was lost.
+    Step 3, still queued, is cancelled and never sent; step 4 goes in the next batch."""
     wire = FakeWire()
     wire.gate = trio.Event()
     c = client_with(wire)
     outcome = {}
 
     async def main():
+        scopes = {i: trio.CancelScope() for i in (1, 2, 3)}
+        tasks = {}
+
         async def one(i):
-            try:
-                outcome[i] = (await c.step(i, "go")).observation
-            except EnvConnectionLost:
-                outcome[i] = "lost"
+            tasks[trio.lowlevel.current_task()] = i
+            with scopes.get(i, trio.CancelScope()):
+                try:
+                    outcome[i] = (await c.step(i, "go")).observation
+                except EnvConnectionLost:
+                    outcome[i] = "lost"
+                return
+            outcome[i] = "cancelled"
 
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
-                sender_scope = trio.CancelScope()
-
-                async def sender():
-                    with sender_scope:
-                        await c.step(1, "go")
-                    outcome[1] = "cancelled"
-
-                nursery.start_soon(sender)
+                nursery.start_soon(one, 1)
                 nursery.start_soon(one, 2)
                 await trio.testing.wait_all_tasks_blocked()
                 assert len(wire.batches) == 1  # the first batch (ids 1, 2) is on the wire
-                queued_scope = trio.CancelScope()
-
-                async def queued():
-                    with queued_scope:
-                        await c.step(3, "go")
-                    outcome[3] = "cancelled"
-
-                nursery.start_soon(queued)
+                nursery.start_soon(one, 3)
                 await trio.testing.wait_all_tasks_blocked()
-                queued_scope.cancel()  # still queued: removed, never sent
-                sender_scope.cancel()  # the batch in flight is abandoned
+                scopes[3].cancel()  # still queued: removed, never sent
+                sender = tasks[wire.sender]
+                scopes[sender].cancel()  # the batch in flight is abandoned
                 await trio.testing.wait_all_tasks_blocked()
                 nursery.start_soon(one, 4)
                 await trio.testing.wait_all_tasks_blocked()
                 wire.gate.set()
+        return sender
 
-    trio.run(main)
-    assert outcome[1] == "cancelled" and outcome[2] == "lost" and outcome[3] == "cancelled" and outcome[4] == "4:go"
+    sender = trio.run(main)
+    other = 3 - sender
+    assert outcome[sender] == "cancelled" and outcome[other] == "lost" and outcome[3] == "cancelled" and outcome[4] == "4:go"
     assert [sorted(i for i, _ in b) for b in wire.batches] == [[1, 2], [4]]
