@@ -248,12 +248,17 @@ def test_authorized_actor_trains_while_wrong_keys_and_plain_actors_are_refused_w
         codes[name] = await a.run()
 
     async def main():
-        with trio.fail_after(60):
+        with trio.fail_after(180):  # generous: a loaded machine; every wait below is an event
             async with trio.open_nursery() as n:
                 n.start_soon(svc.serve)
                 await svc.ready.wait()
                 for name, a in (("stranger", stranger), ("wrong_server", wrong_server), ("plain", plain)):
                     n.start_soon(run_one, name, a)
+                # the refused actors must meet the learner while it serves: the good actor's
+                # run ends it after two steps, and an actor that then finds no learner at all
+                # retries (it cannot tell a refusal from a learner not up yet)
+                while len(codes) < 3:
+                    await trio.sleep(0.05)
                 codes["good"] = await good.run()
 
     try:
