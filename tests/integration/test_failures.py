@@ -17,6 +17,7 @@ partial or failed group was trained (``check_groups``).
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -238,10 +239,28 @@ def test_joining_actor_gets_current_policy_and_killed_actors_leases_are_reissued
             received = {t["lease_id"] for t in c.trajs()}
             return any(g[4] == "a1" and g[0] not in received for g in c.grants(learner))
 
-        c.wait("a1 holding a lease", a1_busy, 60)
+        # frozen first (SIGSTOP), so the leases it holds cannot land while we look: a group
+        # already in the kernel's socket buffer still may, so the snapshot waits for the
+        # learner's trajectory log to stop changing; a1 is thawed and tried again if every
+        # lease it held landed meanwhile
+        held: dict[str, int] = {}
+        for _ in range(10):
+            c.wait("a1 holding a lease", a1_busy, 60)
+            a1 = c.actors["a1"]
+            os.kill(a1.pid, signal.SIGSTOP)
+            seen, stable_since, give_up = -1, time.monotonic(), time.monotonic() + 30
+            while time.monotonic() - stable_since < 2.0 and time.monotonic() < give_up:
+                n = sum(1 for t in c.trajs() if t["actor_id"] == "a1")  # only a1's, frozen now
+                if n != seen:
+                    seen, stable_since = n, time.monotonic()
+                time.sleep(0.2)
+            received = {t["lease_id"] for t in c.trajs()}
+            held = {g[0]: g[1] for g in c.grants(learner) if g[4] == "a1" and g[0] not in received}
+            if held:
+                break
+            os.kill(a1.pid, signal.SIGCONT)
+        assert held, "a1 never held a lease that had not landed"
         c.actors.pop("a1").kill()
-        received = {t["lease_id"] for t in c.trajs()}
-        held = {g[0]: g[1] for g in c.grants(learner) if g[4] == "a1" and g[0] not in received}
         killed_at = c.step()
 
         # each lease a1 held ends one way: a group it sent just before dying lands, or it expires
