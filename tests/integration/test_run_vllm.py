@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,10 +46,16 @@ def test_short_run_on_vllm_actors_swaps_weights_every_version_with_behaviour_log
     for key in ("warm_start", "final"):
         assert summary[key]["episodes"] == 10 and summary[key]["errors"] == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["actors/policy_version"] for r in rows] == [0, 1, 2, 3]  # the actor applied every published version
-    assert all(r["actors/weight_load_errors"] == 0 for r in rows)
+    assert [r["perf/version"] for r in rows] == [0, 1, 2, 3]
+    # the actor applied every published version.  Read from its log, not from the step rows:
+    # those carry the actor's last heartbeat, which can predate the newest swap on a busy machine.
+    log = (run_dir / "logs" / "actor-0.log").read_text()
+    applied = {int(v) for v in re.findall(r"applied weights version (\d+)", log)}
+    assert {0, 1, 2, 3} <= applied, sorted(applied)
+    stopped = [line for line in log.splitlines() if "ActorStats(" in line]
+    assert stopped and "weight_failures=0," in stopped[-1] and "torn_weights=0," in stopped[-1], stopped
+    assert all(r.get("actors/weight_load_errors", 0) == 0 for r in rows)
     for r in rows:
         if r["rollout/staleness_max"] == 0:  # sampled by the learner's current weights: pi_prox / mu == 1
             assert abs(r["loss/behaviour_weight_max"] - 1) < 1e-3 and abs(r["loss/behaviour_weight_mean"] - 1) < 1e-4, r
-    log = (run_dir / "logs" / "actor-0.log").read_text()
     assert "vllm" in log.lower() and "Traceback" not in log
