@@ -26,7 +26,7 @@ import torch
 
 from turnscale.conf.schema import PPOLossConfig  # the loss's config; declared in the schema, which embeds it in AlgoConfig
 
-__all__ = ["LossMetrics", "PPOLossConfig", "low_var_kl_BT", "ppo_loss", "sft_loss", "value_loss"]
+__all__ = ["LossMetrics", "PPOLossConfig", "behaviour_gap_sums_B", "low_var_kl_BT", "ppo_loss", "sft_loss", "value_loss"]
 
 
 @dataclass(kw_only=True)
@@ -165,6 +165,21 @@ def ppo_loss(
             seq_masked=float(((~keep_S) & (n_seq > 0)).sum()),
         )
     return loss, metrics
+
+
+@torch.no_grad()
+def behaviour_gap_sums_B(
+    *, prox_logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, over its loss-mask tokens: ``(tokens_B, abs_gap_sum_B, weight_sum_B)`` with
+    the gap ``|mu - pi_prox|`` and the uncapped behaviour weight ``exp(pi_prox - mu)``
+    (exponent capped at 30, as in ``ppo_loss``).  Diagnostics only (no gradient, float64
+    sums); summed over rows they give ``ppo_loss``'s token counts, ``|kl_behaviour|`` per
+    token and the weight before ``behaviour_cap``."""
+    mask = (mask_BT > 0).to(torch.float64)
+    d = torch.where(mask_BT > 0, prox_logprobs_BT.detach().double() - behaviour_logprobs_BT.detach().double(),
+                    torch.zeros_like(mask))
+    return mask.sum(-1), (d.abs() * mask).sum(-1), (torch.exp(d.clamp(max=30.0)) * mask).sum(-1)
 
 
 def sft_loss(*, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: float) -> torch.Tensor:
