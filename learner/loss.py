@@ -173,12 +173,14 @@ def behaviour_gap_sums_B(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, over its loss-mask tokens: ``(tokens_B, abs_gap_sum_B, weight_sum_B)`` with
     the gap ``|mu - pi_prox|`` and the uncapped behaviour weight ``exp(pi_prox - mu)``
-    (exponent capped at 30, as in ``ppo_loss``).  Diagnostics only (no gradient, float64
-    sums); summed over rows they give ``ppo_loss``'s token counts, ``|kl_behaviour|`` per
-    token and the weight before ``behaviour_cap``."""
-    mask = (mask_BT > 0).to(torch.float64)
-    d = torch.where(mask_BT > 0, prox_logprobs_BT.detach().double() - behaviour_logprobs_BT.detach().double(),
-                    torch.zeros_like(mask))
+    (exponent capped at 30, as in ``ppo_loss``).  Diagnostics only: no gradient, computed
+    on CPU in float64 (whatever the device: some have no float64) so a gap of 1e-7 nats
+    survives the sums; returns CPU tensors.  Summed over rows: ``ppo_loss``'s token count
+    and its behaviour weight before ``behaviour_cap``."""
+    keep = (mask_BT > 0).detach().cpu()
+    mask = keep.to(torch.float64)
+    d = prox_logprobs_BT.detach().to("cpu", torch.float64) - behaviour_logprobs_BT.detach().to("cpu", torch.float64)
+    d = torch.where(keep, d, torch.zeros_like(d))
     return mask.sum(-1), (d.abs() * mask).sum(-1), (torch.exp(d.clamp(max=30.0)) * mask).sum(-1)
 
 

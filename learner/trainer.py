@@ -492,7 +492,7 @@ class Trainer:
     def _record_gaps(self, rows: Sequence[_Row], prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> None:
         """Add each row's behaviour-gap sums to its group's ``last_group_gaps`` entry."""
         sums = behaviour_gap_sums_B(prox_logprobs_BT=prox, behaviour_logprobs_BT=mu, mask_BT=mask)
-        tokens_B, gap_B, weight_B = (t.cpu().tolist() for t in sums)
+        tokens_B, gap_B, weight_B = (t.tolist() for t in sums)
         for b, r in enumerate(rows):
             self.last_group_gaps[r.group] += GroupGap(tokens_B[b], gap_B[b], weight_B[b])
 

@@ -38,6 +38,18 @@ def test_pool_gaps_are_token_weighted_per_pool_with_staleness0_groups_apart():
     assert out["pool/sft/staleness_mean"] == 0 and not any(k.startswith("pool/sft/") and "gap" in k for k in out)
 
 
+def test_per_row_gap_sums_count_only_loss_tokens():
+    from turnscale.learner.loss import behaviour_gap_sums_B
+
+    prox = torch.tensor([[0.0, -1.0, -2.0, -3.0], [-1.0, -1.0, 5.0, 0.0]])
+    mu = torch.tensor([[9.0, -1.5, -1.0, float("nan")], [-1.0, -0.5, 100.0, 0.0]])  # masked tokens: anything
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0]])
+    tokens, gap, weight = behaviour_gap_sums_B(prox_logprobs_BT=prox, behaviour_logprobs_BT=mu, mask_BT=mask)
+    assert tokens.tolist() == [2.0, 2.0]
+    assert gap.tolist() == pytest.approx([0.5 + 1.0, 0.0 + 0.5])
+    assert weight.tolist() == pytest.approx([math.exp(0.5) + math.exp(-1.0), 1.0 + math.exp(-0.5)])
+
+
 def test_the_console_line_shows_each_pools_gap_and_its_staleness0_gap():
     m = {"pool/cpu/actors": 1.0, "pool/cpu/staleness_mean": 0.5, "pool/cpu/logprob_gap_mean": 0.02,
          "pool/cpu/logprob_gap_mean_staleness0": 3e-7, "pool/gpu/actors": 2.0, "pool/gpu/logprob_gap_mean": 0.031}
