@@ -63,9 +63,9 @@ from turnscale.learner import advantages as adv_mod
 from turnscale.learner import checkpoint as ckpt
 from turnscale.learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
 from turnscale.learner.packing import Pack, pack_sequences, plan_packs, use_varlen_attention
-from turnscale.learner.poolgap import GroupGap
 from turnscale.learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
 from turnscale.learner.loss import LossMetrics, behaviour_gap_sums_B, ppo_loss, sft_loss, value_loss
+from turnscale.learner.poolgap import GroupGap
 from turnscale.protocol.dtypes import float_torch_dtype
 
 
