@@ -97,6 +97,9 @@ class Ready:
     lease: Lease
     oldest: int
     """Oldest sampled-token version of the group (its staleness is ``version - oldest``)."""
+    pool: str = "default"
+    """Pool of the actor that sent it, recorded at acceptance (the actor may leave before
+    the group is trained; its per-pool metrics still name this pool)."""
 
 
 def oldest_version(group: TrajectoryGroup, default: int) -> int:
@@ -282,10 +285,10 @@ class LeaseManager:
         self.accepted += 1
         return IntakeResult(True, "", staleness, lease)
 
-    def ready(self, group: TrajectoryGroup, result: IntakeResult) -> Ready:
-        """The buffer entry of an accepted group."""
+    def ready(self, group: TrajectoryGroup, result: IntakeResult, pool: str = "default") -> Ready:
+        """The buffer entry of an accepted group sent by an actor of ``pool``."""
         assert result.accepted and result.lease is not None
-        return Ready(group, result.lease, self.version - result.staleness)
+        return Ready(group, result.lease, self.version - result.staleness, pool)
 
     def form_batch(self, ready: list[Ready], size: int) -> tuple[list[Ready], list[Ready], list[Ready]]:
         """Split ``ready`` (arrival order) into ``(batch, rest, stale)`` at the current version.

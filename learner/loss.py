@@ -26,7 +26,7 @@ import torch
 
 from turnscale.conf.schema import PPOLossConfig  # the loss's config; declared in the schema, which embeds it in AlgoConfig
 
-__all__ = ["LossMetrics", "PPOLossConfig", "low_var_kl_BT", "ppo_loss", "sft_loss", "value_loss"]
+__all__ = ["LossMetrics", "PPOLossConfig", "behaviour_gap_sums_B", "low_var_kl_BT", "ppo_loss", "sft_loss", "value_loss"]
 
 
 @dataclass(kw_only=True)
@@ -165,6 +165,23 @@ def ppo_loss(
             seq_masked=float(((~keep_S) & (n_seq > 0)).sum()),
         )
     return loss, metrics
+
+
+@torch.no_grad()
+def behaviour_gap_sums_B(
+    *, prox_logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, over its loss-mask tokens: ``(tokens_B, abs_gap_sum_B, weight_sum_B)`` with
+    the gap ``|mu - pi_prox|`` and the uncapped behaviour weight ``exp(pi_prox - mu)``
+    (exponent capped at 30, as in ``ppo_loss``).  Diagnostics only: no gradient, computed
+    on CPU in float64 (whatever the device: some have no float64) so a gap of 1e-7 nats
+    survives the sums; returns CPU tensors.  Summed over rows: ``ppo_loss``'s token count
+    and its behaviour weight before ``behaviour_cap``."""
+    keep = (mask_BT > 0).detach().cpu()
+    mask = keep.to(torch.float64)
+    d = prox_logprobs_BT.detach().to("cpu", torch.float64) - behaviour_logprobs_BT.detach().to("cpu", torch.float64)
+    d = torch.where(keep, d, torch.zeros_like(d))
+    return mask.sum(-1), (d.abs() * mask).sum(-1), (torch.exp(d.clamp(max=30.0)) * mask).sum(-1)
 
 
 def sft_loss(*, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: float) -> torch.Tensor:

@@ -14,7 +14,10 @@ Key namespaces (cleanrl-style):
 - ``env/<name>/`` and ``env/<name>/<category>/``: return and success;
 - ``loss/``: everything the trainer reports (keys without a namespace get ``loss/``);
 - ``perf/``: tokens trained/s, step time, learner busy fraction, groups/s, and from the
-  actors' heartbeats tokens generated/s and mean engine busy fraction.
+  actors' heartbeats tokens generated/s and mean engine busy fraction;
+- ``pool/<name>/``: per actor pool, actors, generated tokens/s and weight-pull time (from
+  heartbeats), and for the groups trained in the step staleness and the behaviour-vs-learner
+  log-prob gap (``learner.poolgap``).
 
 Loggers: ``write(step, metrics)`` and ``close()``; ``make_logger`` builds the configured
 set (JSONL ``<dir>/metrics.jsonl``, TensorBoard ``<dir>/tb``, W&B lazily, a console line).
@@ -222,16 +225,22 @@ def format_progress(step: int, m: Mapping[str, float]) -> str:
 
 
 def format_pools(m: Mapping[str, float]) -> str:
-    """`` | pools cpu 2a 310tok/s st0.5, gpu 1a 900tok/s st1.0`` when actors report pools
-    other than ``default`` (actors, generated tokens/s, mean staleness of trained groups)."""
+    """`` | pools cpu 2a 310tok/s st0.50 gap2.1e-07/1.3e-07, gpu 1a 900tok/s st1.00 gap0.031``
+    when actors report pools other than ``default``: actors, generated tokens/s, mean
+    staleness of trained groups, and the mean behaviour-vs-learner log-prob gap
+    ``|mu - pi_prox|`` of those groups, then after ``/`` the same over the staleness-0 ones
+    only (engine/device numerics; ``learner.poolgap``) when the step had any."""
     names = sorted({k.split("/")[1] for k in m if k.startswith("pool/") and k.endswith("/actors")})
     if not names or names == ["default"]:
         return ""
     parts = []
     for n in names:
         st = m.get(f"pool/{n}/staleness_mean")
+        gap, gap0 = m.get(f"pool/{n}/logprob_gap_mean"), m.get(f"pool/{n}/logprob_gap_mean_staleness0")
         parts.append(f"{n} {m[f'pool/{n}/actors']:.0f}a {m.get(f'pool/{n}/tokens_generated_per_s', 0.0):.0f}tok/s"
-                     + (f" st{st:.2f}" if st is not None else ""))
+                     + (f" st{st:.2f}" if st is not None else "")
+                     + (f" gap{gap:.2g}" if gap is not None else "")
+                     + (f"/{gap0:.2g}" if gap is not None and gap0 is not None else ""))
     return " | pools " + ", ".join(parts)
 
 

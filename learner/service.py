@@ -40,7 +40,9 @@ task cursor, live leases and admission counter and reads version and turn limit 
 
 Intake (``_group``): the group is validated and, when accepted, buffered *before*
 anything is written about it; a trajectory-log failure costs the log line (counted as
-``rollout/trajlog_errors``), never the group.
+``rollout/trajlog_errors``), never the group.  The buffer entry records the sender's pool,
+so each trained group's staleness and behaviour-vs-learner log-prob gap
+(``learner.poolgap``) count under that pool even if the actor has left by then.
 
 Identity: ``run_id`` names the run (kept across resumes); ``incarnation`` names this
 learner process (new on every start, sent in every ``PolicyAnnouncement``), so actors
@@ -83,6 +85,7 @@ from turnscale.learner.runstate import RunState
 from turnscale.learner.signal import SignalWatch
 from turnscale.learner.registry import ActorRegistry, short
 from turnscale.learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
+from turnscale.learner.poolgap import GroupGap, PoolGroup, record_pool_gaps
 from turnscale.learner.tasks import TaskStream, parse_task_spec
 from turnscale.learner.trajlog import NullTrajectoryLog
 from turnscale.learner.validation import GroupLimits
@@ -120,6 +123,9 @@ SUSPECT_HEARTBEATS = 2.5
 
 class TrainerLike(Protocol):
     step: int
+    last_group_gaps: Sequence[GroupGap]
+    """Per group of the last ``train_step``, in batch order (``learner.poolgap``); a trainer
+    reporting fewer entries than groups gets no per-pool gap metrics for that step."""
 
     def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]: ...
 
@@ -422,13 +428,15 @@ class LearnerService:
         self.run.advance(self.parts.trainer.step, len(batch))  # the turn limit moves with it
         tokens = sum(int(np.asarray(ep.loss_mask).sum()) for g in batch for ep in g.episodes)
         wall = max(t1 - self._last_step_end, 1e-9)
+        gaps = list(self.parts.trainer.last_group_gaps)
+        if len(gaps) != len(ready):
+            gaps = [None] * len(ready)
+        record_pool_gaps(m, [PoolGroup(r.pool, self.version - r.oldest, gap) for r, gap in zip(ready, gaps)])
         for r in ready:
             self._ledger(r, "trained", self.step)
             record_trained(m, r.group, self.version - r.oldest)
             self.scaling_signals.groups_trained += 1
             self.scaling_signals.staleness_sum += max(0, self.version - r.oldest)
-            a = self.actors.actors.get(r.group.actor_id)
-            m.add(f"pool/{a.pool if a is not None else 'departed'}/staleness_mean", self.version - r.oldest, "mean")
             warning = self.signal.observe([ep.reward for ep in r.group.episodes], [ep.success for ep in r.group.episodes])
             if warning:
                 log.warning("%s", warning)
@@ -657,7 +665,7 @@ class LearnerService:
         self.scaling_signals.groups_received += 1
         self.scaling_signals.groups_stale += int(r.reason == "stale")
         if r.accepted:  # buffer first: from here on the group is owned by the learner
-            self.buffer.append(self.leases.ready(group, r))
+            self.buffer.append(self.leases.ready(group, r, pool=a.pool))
             if len(self.buffer) >= self.cfg.learner.groups_per_step:
                 self._have_groups.set()
         elif r.reason == "invalid":

@@ -38,6 +38,13 @@ micro-batches (give ranks equal shares).  ``state_dict_for_publish`` and
 ``state_writer`` gather the full model on every rank (call them on all ranks);
 sharded (FSDP) optimizer state is saved as each rank's ``optimizer.state_dict()`` only
 from the main rank — resuming FSDP runs is not covered yet.
+
+Per-group diagnostics: after a policy step ``last_group_gaps[i]`` holds the token sums of
+``|mu - pi_prox|`` and ``exp(pi_prox - mu)`` over group ``i``'s loss tokens
+(``learner.poolgap.GroupGap``; the learner aggregates them by actor pool).  They are read
+off the same ``[B, T]`` tensors the loss gets, on the padded and the packed path alike, and
+change nothing in the loss.  Empty groups (no trainable row) get zero sums; ``algo=sft``
+reports none (an empty list).
 """
 
 from __future__ import annotations
@@ -57,7 +64,8 @@ from turnscale.learner import checkpoint as ckpt
 from turnscale.learner.batching import accumulation_normaliser, pad_BT, plan_micro_batches
 from turnscale.learner.packing import Pack, pack_sequences, plan_packs, use_varlen_attention
 from turnscale.learner.logprobs import logprobs_and_entropy_BT, token_logprobs_BT
-from turnscale.learner.loss import LossMetrics, ppo_loss, sft_loss, value_loss
+from turnscale.learner.loss import LossMetrics, behaviour_gap_sums_B, ppo_loss, sft_loss, value_loss
+from turnscale.learner.poolgap import GroupGap
 from turnscale.protocol.dtypes import float_torch_dtype
 
 
@@ -190,6 +198,8 @@ class Trainer:
             opt, lambda s: lr_factor(s, warmup=self.algo.warmup_steps, total=self.total_steps, kind=self.algo.lr_schedule)
         )
         self.loss_cfg = self.algo.loss_config()
+        self.last_group_gaps: list[GroupGap] = []
+        """Per group of the last ``train_step``, in batch order (see the module docstring)."""
 
     # ------------------------------------------------------------------ public API
 
@@ -205,8 +215,10 @@ class Trainer:
         for g in groups:
             if g.failed:
                 raise ValueError(f"group of lease {g.lease_id!r} is marked failed ({g.error}); failed groups are never trained on")
+        self.last_group_gaps = []
         if self.algo.name == "sft":
             return self.sft_step([ep for g in groups for ep in g.episodes])
+        self.last_group_gaps = [GroupGap()] * len(groups)
         t0 = time.perf_counter()
         rows, skipped = self._rows(groups, trim=self.algo.name != "ppo")
         degenerate = adv_mod.count_degenerate([np.array([ep.reward for ep in g.episodes]) for g in groups])
@@ -469,12 +481,20 @@ class Trainer:
             logprobs_BT=logp, prox_logprobs_BT=prox, behaviour_logprobs_BT=mu, advantages_BT=adv, mask_BT=mask,
             num_tokens=num_tokens, cfg=self.loss_cfg, ref_logprobs_BT=ref, entropy_BT=ent,
         )
+        self._record_gaps(rows, prox, mu, mask)
         v = 0.0
         if vloss is not None:
             loss = loss + self.algo.value_coef * vloss
             v = float(vloss.detach())
         self.accelerator.backward(loss)
         return metrics, v
+
+    def _record_gaps(self, rows: Sequence[_Row], prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add each row's behaviour-gap sums to its group's ``last_group_gaps`` entry."""
+        sums = behaviour_gap_sums_B(prox_logprobs_BT=prox, behaviour_logprobs_BT=mu, mask_BT=mask)
+        tokens_B, gap_B, weight_B = (t.tolist() for t in sums)
+        for b, r in enumerate(rows):
+            self.last_group_gaps[r.group] += GroupGap(tokens_B[b], gap_B[b], weight_B[b])
 
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.scheduler.get_last_lr()[0]

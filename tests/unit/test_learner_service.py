@@ -32,6 +32,7 @@ from tests.unit.fakes import make_group
 class FakeTrainer:
     def __init__(self):
         self.step = 0
+        self.last_group_gaps: list = []  # none reported: no per-pool gap metrics
         self.trained: list[str] = []
         self.tasks: list = []
 
@@ -622,6 +623,54 @@ def test_step_metrics_are_split_by_actor_pool():
 
     line = format_progress(2, last)
     assert "| pools cpu 1a" in line and "gpu 1a" in line
+
+
+def test_a_groups_pool_and_logprob_gap_count_even_after_its_actor_has_left():
+    """The pool is recorded with the group when it is accepted: actor ``a`` (pool ``cpu``)
+    sends its group and says goodbye before the step trains it; the step still reports
+    ``pool/cpu/...`` staleness and the trainer's gap for that group (fake sums: cpu 0.25
+    nats per token, gpu 0.5), each at staleness 0 too."""
+    from turnscale.learner.poolgap import GroupGap
+
+    cfg = make_cfg(**{"learner.steps": 1, "learner.groups_per_step": 2})
+    per_actor = {"a": GroupGap(tokens=4, abs_gap_sum=1.0, weight_sum=5.0), "b": GroupGap(tokens=2, abs_gap_sum=1.0, weight_sum=3.0)}
+
+    class GapTrainer(FakeTrainer):
+        def train_step(self, groups):
+            self.last_group_gaps = [per_actor[g.actor_id] for g in groups]
+            return super().train_step(groups)
+
+    logged = []
+
+    class CaptureLogger:
+        def write(self, step, metrics):
+            logged.append(dict(metrics))
+
+        def close(self):
+            pass
+
+    parts = ServiceParts(trainer=GapTrainer(), publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(), logger=CaptureLogger())
+
+    async def script(svc, ctx):
+        for aid, pool in (("a", "cpu"), ("b", "gpu")):
+            req = await client(ctx, cfg)
+            await req.request(Hello(actor_id=aid, host="h", pid=1, engine="fake", device="cpu", max_groups=1, pool=pool), timeout_s=5)
+            g = await req.request(LeaseRequest(actor_id=aid, max_leases=1), timeout_s=5)
+            assert (await req.request(make_group(g.leases[0], actor_id=aid), timeout_s=5)).accepted
+            if aid == "a":
+                await req.request(Goodbye(actor_id="a", reason="done"), timeout_s=5)
+                assert "a" not in svc.actors.actors and svc.step == 0
+        with trio.fail_after(20):
+            while svc.step < 1:
+                await trio.sleep(0.01)
+
+    run_service_with(cfg, parts, script)
+    m = logged[0]
+    assert m["pool/cpu/staleness_mean"] == 0 and m["pool/gpu/staleness_mean"] == 0
+    assert not any(k.startswith("pool/departed/") for k in m)
+    assert m["pool/cpu/logprob_gap_mean"] == 0.25 and m["pool/cpu/behaviour_weight_mean"] == 1.25
+    assert m["pool/gpu/logprob_gap_mean"] == 0.5 and m["pool/gpu/behaviour_weight_mean"] == 1.5
+    assert m["pool/cpu/logprob_gap_mean_staleness0"] == 0.25 and m["pool/gpu/logprob_gap_mean_staleness0"] == 0.5
 
 
 def test_autoscaler_reads_the_real_learner_and_acts_through_the_backend():
