@@ -18,36 +18,14 @@ connection to the learner) with these named tasks:
   safe point, ``engine.update_mode``), then awaits the swap's outcome;
 - ``signals`` (process-wide, outside the sessions): SIGTERM/SIGINT start a graceful stop.
 
-Weights (ordering contract).  Weights move along one chain, *target -> pulled ->
-applied*; each link has exactly one writer and only ever follows the link before it:
-
-1. ``target`` (a ``PolicyAnnouncement``): the weights the learner wants played.  Written
-   by the session's ``Welcome`` (``_adopt``, before the session's tasks start) and then
-   only by the ``announcements`` task, which moves it forward (a larger ``(version,
-   step)``) within the Welcome's incarnation and ignores other incarnations' PUB.
-2. *pulled* (a receive buffer and its ``WeightSwap``): written only by ``_pull`` — the
-   session's first pull of the Welcome's weights (before its tasks start), then the
-   ``weights`` task, which pulls ``target``'s manifest when ``target`` is newer than
-   ``applied`` (or from another incarnation).  A pull goes into one of two receive
-   buffers, never into one the engine may still read (a buffer is reused only once its
-   last ``WeightSwap`` is released).
-3. ``applied`` (the ``(incarnation, version)`` of the weights the engine holds): written
-   only by ``_pull`` (same callers as *pulled*) from the engine's ``WeightSwap`` outcome:
-   set when the engine reports the swap *applied*, never when a pull finishes or a swap
-   is merely queued; cleared when the swapped weights do not checksum to the pulled
-   bytes or the engine broke (``EngineBroken`` rebuilds the engine).  A failed swap
-   leaves it as it was and the weights task pulls again.
-
-Relays (``ActorDeps.relay``, ``actors/relay.py``; docs/architecture.md "Weight fan-out").
-The actor's ``RelayServer`` serves other actors the chunks it holds, read-only, from the
-same two receive buffers: ``_pull`` registers the free buffer for the new version
-(``begin``) before the pull writes a byte into it, which withdraws the version it held
-at that moment, and marks each chunk once verified (``on_chunk``), so a relay serves
-version v only from a buffer holding v that no pull is writing into, and only verified
-chunks.  The pull asks the relays the learner named (``sources``, from ``Welcome`` and
-``HeartbeatAck``) before the learner and checks every chunk whatever its source
-(``actors/weight_sync.py``): a dead, slow or corrupt relay costs a retry elsewhere,
-never a torn or wrong version in the chain above.
+Weights.  The weight path (``actors/weight_path.py``, ``Actor.weight_path``) owns *how*
+weights are pulled (relays, learner, same-host segment), applied and verified, and is the
+only writer of ``applied``; its docstring states the ordering contract (*target -> pulled ->
+applied*) and what a failure leaves behind.  This module decides *when*: ``target`` is
+written by the session's ``Welcome`` (``_adopt``, before the session's tasks start) and
+then only by the ``announcements`` task; the session's first pull (before its tasks start)
+and then the ``weights`` task pull ``target`` whenever the weight path ``needs`` it; on
+``EngineBroken`` the actor rebuilds the engine and the weights task pulls again.
 
 Readers compare incarnations: a lease starts playing only when ``applied`` is the current
 Welcome's incarnation's and at least the lease's version, and the weights task pulls
@@ -97,15 +75,15 @@ import logging
 import os
 import signal
 import socket as pysocket
-import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 import zmq
 
-from turnscale.actors.engine import EngineBroken, EngineError, WeightSwap
+from turnscale.actors.engine import EngineBroken
 from turnscale.actors.envpool import EnvClientLike, EnvPool, PooledSession
+from turnscale.actors.weight_path import EngineLike, PullFn, WeightPath
 from turnscale.conf.schema import ActorConfig
 from turnscale.protocol.errors import PeerTimeout, ProtocolError, RemoteError, TransportError, TurnscaleError
 from turnscale.protocol.messages import (
@@ -121,10 +99,9 @@ from turnscale.protocol.messages import (
     PolicyAnnouncement,
     Shutdown,
     TrajectoryGroup,
-    WeightManifest,
     Welcome,
 )
-from turnscale.protocol.transport import AsyncSocket, CurveKeys, Requester, configure, generate_curve_keys
+from turnscale.protocol.transport import AsyncSocket, CurveKeys, Requester, configure
 
 if TYPE_CHECKING:
     from turnscale.common.curve import CurveSetup
@@ -134,24 +111,6 @@ log = logging.getLogger("turnscale.actor")
 EXIT_CURVE_REFUSED = 3
 """``Actor.run``'s exit code when the learner refuses this actor's CURVE handshake."""
 
-
-class EngineLike(Protocol):
-    @property
-    def version(self) -> int: ...
-
-    def load_weights(self, version: int, tensors: Any) -> WeightSwap: ...
-
-    def stats(self) -> dict[str, float]: ...
-
-    def close(self) -> None: ...
-
-
-PullFn = Callable[..., Awaitable[Any]]
-"""``pull(weights_sock, manifest, timeout_s, buffer, **relay) -> named tensors`` (checksums
-verified), received into ``buffer`` (one of ``ActorDeps.new_buffer()``'s, free for this
-pull).  ``relay`` (only when this actor has relays to ask or serves one): ``relays`` (sockets
-asked before ``weights_sock``, nearest first), ``on_chunk(i)`` (chunk ``i`` verified) and
-``report`` (``actors.weight_sync.PullReport``), as ``actors.weight_sync.pull_weights``."""
 
 PlayGroupFn = Callable[[Lease, list[PooledSession]], Awaitable[TrajectoryGroup]]
 """Plays one lease's episodes on the given sessions (one per episode) -> the group."""
@@ -170,18 +129,6 @@ class ActorDeps:
     relay: Any = None
     """This actor's ``RelayServer`` (``actors/relay.py``; serves its verified chunks to other
     actors, advertised in ``Hello.relay_endpoint``), or None.  Closed with the actor."""
-
-
-@dataclass
-class _BufferSlot:
-    """A receive buffer and the last swap it was handed to (it is free once that swap is released)."""
-
-    buffer: Any
-    swap: WeightSwap | None = None
-
-    @property
-    def free(self) -> bool:
-        return self.swap is None or self.swap.released
 
 
 @dataclass
@@ -261,25 +208,25 @@ class Actor:
     pools: dict[str, EnvPool] = field(default_factory=dict)
     welcome: Welcome | None = None
     target: PolicyAnnouncement | None = None
-    applied: tuple[str, int] | None = None
-    """``(incarnation, version)`` of the weights the engine has applied; written only by the
-    weight path (``_pull``; see the module docstring, "Weights")."""
     curve: CurveSetup | None = None
     """CURVE keys for the sockets to the learner (``common.curve.actor_curve``); None: plain TCP."""
     _ctx: zmq.Context | None = None
     _running: dict[str, trio.CancelScope] = field(default_factory=dict)
     _changed: trio.Event = field(default_factory=trio.Event)
-    _slots: list[_BufferSlot] = field(default_factory=list)
     _token: str = field(default_factory=lambda: os.urandom(8).hex())
     """This process's ``Hello.token`` (keeps its actor id across reconnects)."""
-    sources: list[str] = field(default_factory=list)
-    """Relays to ask for weight chunks before the learner (``Welcome``/``HeartbeatAck.weight_sources``)."""
-    source_keys: dict[str, str] = field(default_factory=dict)
-    """CURVE public key of each of ``sources`` ("" or absent: a plain relay)."""
-    _relay_socks: dict[tuple[str, str], AsyncSocket] = field(default_factory=dict)
-    """This session's DEALERs to ``sources``, by (endpoint, key) (closed with the session)."""
     _requests: set[trio.CancelScope] = field(default_factory=set)
     """Deadlines of the control requests waiting for a reply (``request_stop`` shortens them)."""
+    weight_path: WeightPath = field(init=False)
+    """Pulls, applies and verifies weights; the only writer of ``applied`` (``actors/weight_path.py``)."""
+
+    def __post_init__(self) -> None:
+        self.weight_path = WeightPath(cfg=self.cfg, deps=self.deps, stats=self.stats, on_applied=self._poke)
+
+    @property
+    def applied(self) -> tuple[str, int] | None:
+        """``(incarnation, version)`` of the weights the engine has applied (``WeightPath.applied``)."""
+        return self.weight_path.applied
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
@@ -440,6 +387,7 @@ class Actor:
             sub.sock.connect(pub_ep)
             weights = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=self._keys()))
             weights.sock.connect(w_ep)
+            self.weight_path.open_session(self._ctx, self.curve)
             try:
                 with trio.fail_after(max(30.0, self.cfg.request_timeout_s)):
                     await self._pull(weights, welcome.policy)  # current weights before the first lease
@@ -453,10 +401,10 @@ class Actor:
                 await self._goodbye(req)
                 n.cancel_scope.cancel()
         finally:
-            for s in (sub, weights, *self._relay_socks.values()):
+            for s in (sub, weights):
                 if s is not None:
                     s.close()
-            self._relay_socks.clear()
+            self.weight_path.close_session()
 
     async def _hello(self, req: Requester) -> Welcome:
         relay = self.deps.relay
@@ -486,7 +434,7 @@ class Actor:
             self.runtime = await self.deps.make_runtime(welcome)
         if self.applied is not None and self.applied[0] != welcome.policy.incarnation:
             # another learner process: its version numbers name other weights.  ``applied`` is
-            # the weight path's to write; _holds/_needs compare incarnations, so these no
+            # the weight path's to write; holds/needs compare incarnations, so these no
             # longer count and are pulled anew (module docstring, "Weights").
             log.info("learner incarnation changed (%s -> %s): dropping weights v%d", self.applied[0],
                      welcome.policy.incarnation, self.applied[1])
@@ -495,7 +443,7 @@ class Actor:
                 url = self.cfg.env_url or ep.url
                 self.pools[ep.name] = EnvPool(self.deps.make_env_client(url, ep.flavor))
         self.target = welcome.policy
-        self._set_sources(welcome.weight_sources, welcome.weight_source_keys, welcome.relay_clients)
+        self.weight_path.set_sources(welcome.weight_sources, welcome.weight_source_keys, welcome.relay_clients)
 
     async def _request(self, req: Requester, msg: Any, expect: type) -> Any:
         """One control request; ``LearnerLost`` on timeout/transport failure or ``not_registered``."""
@@ -617,8 +565,7 @@ class Actor:
     def _holds(self, version: int) -> bool:
         """The engine has applied this learner incarnation's weights, version >= ``version``."""
         assert self.welcome is not None
-        a = self.applied
-        return a is not None and a[0] == self.welcome.policy.incarnation and a[1] >= version
+        return self.weight_path.holds(self.welcome.policy.incarnation, version)
 
     async def _wait_for_version(self, version: int) -> None:
         """A lease waits until the engine has applied its version (woken by the swap)."""
@@ -641,7 +588,7 @@ class Actor:
                 ack = await self._request(req, hb, HeartbeatAck)
             except LearnerStopped:
                 return  # the lease loop ends the session (goodbye)
-            self._set_sources(ack.weight_sources, ack.weight_source_keys, ack.relay_clients)
+            self.weight_path.set_sources(ack.weight_sources, ack.weight_source_keys, ack.relay_clients)
             for lid in ack.unknown_lease_ids:
                 scope = self._running.get(lid)
                 if scope is not None:
@@ -664,15 +611,10 @@ class Actor:
                 self.target = msg
                 self._poke()
 
-    def _needs(self, policy: PolicyAnnouncement) -> bool:
-        """``policy`` has weights and they are newer than (or from another incarnation than) ours."""
-        a = self.applied
-        return policy.manifest is not None and (a is None or a[0] != policy.incarnation or a[1] < policy.version)
-
     async def _weights(self, sock: AsyncSocket) -> None:
         while True:
             t = self.target
-            if t is not None and self._needs(t):
+            if t is not None and self.weight_path.needs(t):
                 try:
                     await self._pull(sock, t)
                 except TurnscaleError as exc:  # transport, checksum, protocol, engine errors: pull again
@@ -682,120 +624,21 @@ class Actor:
                 continue
             await self._changed.wait()
 
-    async def _free_slot(self) -> _BufferSlot:
-        """A receive buffer the engine does not hold (waits for a release if both are held)."""
-        if not self._slots:
-            self._slots = [_BufferSlot(self.deps.new_buffer()) for _ in range(2)]
-        while True:
-            for slot in self._slots:
-                if slot.free:
-                    return slot
-            assert self._slots[0].swap is not None
-            await self._slots[0].swap.wait_released()
-
     async def _pull(self, sock: AsyncSocket, policy: PolicyAnnouncement) -> None:
-        """Pull ``policy``'s weights into a free buffer, hand them to the engine and await the swap."""
+        """Pull ``policy``'s weights and have the engine apply them (``WeightPath.pull``); an
+        engine that broke on the swap is rebuilt before the error goes on to the caller."""
         assert self.runtime is not None
-        if not self._needs(policy):
-            return
-        assert policy.manifest is not None
-        t0 = time.monotonic()
-        slot = await self._free_slot()
-        relay, key = self.deps.relay, id(slot)
-        kw: dict[str, Any] = {}
-        if self.sources:
-            kw["relays"] = [self._relay_sock(ep) for ep in self.sources]
-        if relay is not None and slot.buffer is not None:
-            # before any byte lands in the buffer: its old version is withdrawn from the relay,
-            # and the new one is served chunk by chunk as each is verified (actors/relay.py)
-            relay.begin(key, policy.manifest, slot.buffer.take(policy.manifest.total_bytes))
-            kw["on_chunk"] = lambda i: relay.mark(key, i)
-        if policy.shm_path and self.cfg.weights_shm != "false" and "on_chunk" not in kw and "relays" not in kw:
-            # same host: the tensors view the learner's segment, held until released below
-            from turnscale.protocol.shmweights import SegmentRef
-
-            kw["shm"] = SegmentRef(path=policy.shm_path, token=policy.shm_token)
-        report = None
-        if kw:
-            from turnscale.actors.weight_sync import PullReport
-
-            kw["report"] = report = PullReport()
-        try:
-            tensors = await self.deps.pull(sock, policy.manifest, max(30.0, self.cfg.request_timeout_s), slot.buffer, **kw)
-        except BaseException:
-            if relay is not None:
-                relay.withdraw(key)
-            raise
-        finally:
-            if report is not None:
-                self.stats.weight_chunks_from_relays += report.from_relays
-                self.stats.weight_chunks_from_learner += report.from_learner
-                self.stats.weight_relay_fallbacks += report.fallbacks
-                self.stats.weight_chunks_from_shm += report.from_shm
-                if report.shm_error and self.cfg.weights_shm == "true":
-                    log.warning("weights v%d: shared-memory segment not used fully (%s); pulled over TCP",
-                                policy.version, report.shm_error)
         engine = self.runtime.engine
-        slot.swap = engine.load_weights(policy.version, tensors)  # the engine owns them until released
         try:
-            await slot.swap.wait()
+            await self.weight_path.pull(sock, policy, engine)
         except EngineBroken:
             await self._rebuild_engine(engine)
             raise
-        if self.cfg.verify_weights:  # released: the buffer is ours again until the next pull
-            await self._verify(engine, tensors, policy.manifest)
-        release = getattr(slot.buffer, "release", None)  # ReceiveBuffer (test fakes may have none)
-        if release is not None:
-            release()  # a same-host pull's segment: the learner may reuse it now
-        self.applied = (policy.incarnation, policy.version)
-        self.stats.weight_pulls += 1
-        self.stats.weight_pull_s += time.monotonic() - t0
-        log.info("applied weights version %d in %.2fs", policy.version, time.monotonic() - t0)
-        self._poke()
-
-    def _set_sources(self, endpoints: list[str], keys: list[str], clients: list[str]) -> None:
-        """The relays to pull from (with their CURVE keys), and who may pull from ours."""
-        self.sources = list(endpoints)
-        self.source_keys = {ep: k for ep, k in zip(endpoints, keys) if k}
-        if self.deps.relay is not None:
-            self.deps.relay.allow_clients(clients)
-
-    def _relay_sock(self, endpoint: str) -> AsyncSocket:
-        """This session's DEALER to another actor's relay (made on first use).  A relay that
-        serves CURVE (its key came with the sources, from the authenticated learner) is
-        reached with CURVE: with this actor's own key pair when it has one, else a throwaway
-        pair (which a CURVE relay refuses: it admits only the keys the learner lists, so that
-        actor falls back to its next source)."""
-        assert self._ctx is not None
-        key = self.source_keys.get(endpoint, "")
-        s = self._relay_socks.get((endpoint, key))
-        if s is None:
-            curve = None
-            if key:
-                own = self.curve.server() if self.curve is not None else generate_curve_keys()
-                curve = CurveKeys(public=own.public, secret=own.secret, server_public=key.encode())
-            s = self._relay_socks[(endpoint, key)] = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=curve))
-            s.sock.connect(endpoint)
-        return s
-
-    async def _verify(self, engine: EngineLike, tensors: Any, manifest: WeightManifest) -> None:
-        """Checksum the engine's weights against the pulled bytes, as the engine stores them
-        (engines that can read them back; ``actors.engine.mismatched_weights``)."""
-        from turnscale.actors.engine import mismatched_weights
-
-        bad = await trio.to_thread.run_sync(mismatched_weights, engine, tensors, manifest.dtype, manifest.checksum_algo)
-        if bad:
-            self.stats.torn_weights += 1
-            self.applied = None
-            log.error("weights v%d in the engine differ from the pulled bytes in %d tensor(s), e.g. %s; pulling again",
-                      manifest.version, len(bad), bad[0])
-            raise EngineError(f"torn weights after the swap to v{manifest.version}")
 
     async def _rebuild_engine(self, broken: EngineLike) -> None:
         """The engine lost its weights: close it and build a new one (its leases fail and are re-issued)."""
         assert self.welcome is not None
-        log.warning("engine broken; rebuilding it")
-        self.applied = None
+        log.warning("engine broken; rebuilding it")  # the weight path has cleared ``applied``
         self.stats.engine_rebuilds += 1
         broken.close()
         self.runtime = await self.deps.make_runtime(self.welcome)

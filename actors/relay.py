@@ -12,7 +12,7 @@ version older than the newest this relay has begun to pull, and no longer held, 
 come: ``ErrorReply(code="unknown_version")`` sends the asker to its next source at once
 (an actor skips versions when a newer one is announced before it pulls).
 
-Safety (the receive buffers' ordering contract, ``actors/actor.py`` "Weights"):
+Safety (the receive buffers' ordering contract, ``actors/weight_path.py``):
 
 - a buffer is registered (``begin``) for version v *before* a pull writes into it; any
   earlier registration of that buffer is withdrawn at that moment, under the lock the

@@ -2,9 +2,11 @@
 
     with envhub_server("babyai", idle_timeout_s=1.0) as url:
         ...
+    with envhub_process("web", stop_grace_s=30.0) as (proc, url):  # when the pid matters
+        ...
 
 Binds 127.0.0.1 on a free port (unless ``port=`` is given), waits for ``GET /health`` = 200,
-and ends the child by its pid (SIGTERM, then SIGKILL after 10 s).  Overrides are env keys
+and ends the child by its pid (SIGTERM, then SIGKILL after ``stop_grace_s``, 10 s by default).  Overrides are env keys
 (``max_instances=4`` -> ``++env.max_instances=4``); a key with a dot is passed as it is.
 The child's output goes to a temp file, shown if startup fails.
 """
@@ -24,7 +26,7 @@ from typing import Iterator
 
 from turnscale.protocol.transport import free_port  # re-exported: tests and the probe import it from here
 
-__all__ = ["envhub_server", "free_port", "stop", "wait_healthy"]
+__all__ = ["envhub_process", "envhub_server", "free_port", "stop", "wait_healthy"]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:
@@ -54,7 +56,17 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def envhub_server(env: str = "babyai", *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 60.0, **overrides: object) -> Iterator[str]:
+def envhub_server(env: str = "babyai", *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 60.0,
+                  **overrides: object) -> Iterator[str]:
+    """The server's base URL (see the module docstring)."""
+    with envhub_process(env, host=host, port=port, startup_timeout_s=startup_timeout_s, **overrides) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def envhub_process(env: str = "babyai", *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 60.0,
+                   stop_grace_s: float = 10.0, **overrides: object) -> Iterator[tuple[subprocess.Popen, str]]:
+    """The server's process and base URL, healthy on entry; ended by its pid on exit."""
     port = port or free_port()
     args = [sys.executable, "-m", "turnscale", "envhub", f"env={env}", f"host={host}", f"port={port}"]
     args += [f"++{k if '.' in k else 'env.' + k}={v}" for k, v in overrides.items()]
@@ -67,8 +79,8 @@ def envhub_server(env: str = "babyai", *, host: str = "127.0.0.1", port: int = 0
         except Exception as exc:
             log.seek(0)
             raise RuntimeError(f"envhub {env} did not start ({exc}): {log.read()[-3000:]}") from None
-        yield url
+        yield proc, url
     finally:
-        stop(proc)
+        stop(proc, grace_s=stop_grace_s)
         log.close()
         os.unlink(log.name)

@@ -10,7 +10,7 @@ What runs: the learner host runs the real ``WeightPublisher`` (one float32 tenso
 client* (``python -m turnscale.benchmarks.fanout puller``): the actor's real ``pull_stream`` (the
 checked puller of ``actors/weight_sync.py``) into two alternating ``ReceiveBuffer``s, and
 in relay mode the actor's real ``RelayServer`` fed by ``on_chunk``, exactly as
-``actors/actor.py`` wires them.  Not the full actor (engine, env pool, leases): sixteen of
+``actors/weight_path.py`` wires them.  Not the full actor (engine, env pool, leases): sixteen of
 those do not fit the 2 CPU cores of this box, and none of it is on the weight path.
 Processes meet through files in a scratch folder (the cluster's bridge has no address in
 the root namespace); publication time is written by the publisher right after
@@ -156,7 +156,7 @@ def puller(a: argparse.Namespace) -> int:
             m = _decode_manifest(pub["manifest"])
             key, buf = v % 2, bufs[v % 2]
             on_chunk = None
-            if relay is not None:  # as actors/actor.py: registered before any byte lands, served once verified
+            if relay is not None:  # as actors/weight_path.py: registered before any byte lands, served once verified
                 relay.begin(key, m, buf.take(m.total_bytes))
                 on_chunk = (lambda k: (lambda i: relay.mark(k, i)))(key)
             rep = PullReport()

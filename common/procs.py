@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class ChildFailed(RuntimeError):
@@ -41,12 +41,18 @@ _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int):
-    """A ``preexec_fn``: the kernel SIGTERMs the child when the thread that started it exits
-    -- even by SIGKILL, which no handler in the launcher can see.  Children are in their
-    own sessions (a terminal's Ctrl-C reaches only the launcher), so without this a killed
-    launcher would leave its learner, actors and envhub running.  Start children from the
-    thread that lives as long as they should (every caller here uses the main thread)."""
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for ``subprocess.Popen(..., preexec_fn=die_with_parent(os.getpid()))``:
+    the kernel SIGTERMs the child when the thread that started it exits -- even by SIGKILL,
+    which no handler in the launcher can see (``PR_SET_PDEATHSIG``; Linux only, elsewhere
+    only the check below applies).  A child whose parent is already gone (``os.getppid()``
+    is no longer ``parent_pid`` when it runs) exits with status 1 before ``exec``.
+
+    Children are in their own sessions (a terminal's Ctrl-C reaches only the launcher), so
+    without this a killed launcher would leave its learner, actors and envhub running.
+    Start children from the thread that lives as long as they should (every caller here
+    uses the main thread).  The returned function only calls ``prctl`` (loaded in the
+    parent, at import): nothing is imported or allocated between fork and exec."""
 
     def preexec() -> None:
         if _PRCTL is not None:
@@ -141,7 +147,7 @@ class ProcessGroup:
             stdin=subprocess.DEVNULL,
             env=child_env(env),
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
+            preexec_fn=die_with_parent(os.getpid()),
         )
         log.close()
         child = Child(name, popen, log_path)

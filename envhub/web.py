@@ -100,14 +100,14 @@ class SiteProcess:
     thread that owns the family, as ``envhub.main`` does) or when its parent process is gone."""
 
     def __init__(self) -> None:
-        from turnscale.common.procs import _die_with_parent
+        from turnscale.common.procs import die_with_parent
 
         self.token = secrets.token_hex(16)
         env = {**os.environ, "TS_WEB_TOKEN": self.token}
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen([sys.executable, "-m", "turnscale.envhub.web_sites", "--parent-pid", str(os.getpid())],
-                                     stdout=subprocess.PIPE, env=env, text=True, preexec_fn=_die_with_parent(os.getpid()))
+                                     stdout=subprocess.PIPE, env=env, text=True, preexec_fn=die_with_parent(os.getpid()))
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("PORT "):
             self.close()

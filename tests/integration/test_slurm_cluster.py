@@ -11,16 +11,14 @@ with the reason when Slurm is not installed or this is not root.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from turnscale.cluster.slurm import FakeSlurm, Node, available
 from turnscale.protocol.transport import free_port
-from tests.conftest import REPO_ROOT
 from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
+from tests.slurm_fixtures import learner_job, run_logs, run_overrides, slurm_session, submit, wait_for, wait_started
 
 OK, WHY = available()
 STEPS = 4
@@ -33,29 +31,17 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
     c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu", "cpu2"), cpus=8)])
     run = tmp_path / "run"
     ports = [free_port() for _ in range(4)]
-    overrides = [
-        f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
-        "slurm.envhub_cpus=1", "slurm.wait_s=300",
-        'slurm.pools=[{name:cpu,count:1,constraint:cpu,cpus_per_task:1},'
-        '{name:cpu2,count:1,constraint:cpu2,cpus_per_task:1,overrides:["engine.max_batch=2"]}]',
-        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}", f"env.port={ports[3]}",
-        f"model.path={tiny_model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
-        "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", "learner.groups_per_step=2",
-        "learner.max_staleness=1", f"learner.steps={STEPS}", "learner.heartbeat_interval_s=1", "logger.tensorboard=false",
-        "logger.console_every_s=0", "actor.max_groups=2", "actor.request_timeout_s=10", "actor.reconnect_max_backoff_s=1",
-    ]
-    try:
-        c.start(90)
-        out = subprocess.run([sys.executable, "-m", "turnscale", "slurm", *overrides], env=c.env(), capture_output=True,
-                             text=True, timeout=120, cwd=REPO_ROOT)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "actors-cpu2.sbatch: job" in out.stdout
+    pools = ('[{name:cpu,count:1,constraint:cpu,cpus_per_task:1},'
+             '{name:cpu2,count:1,constraint:cpu2,cpus_per_task:1,overrides:["engine.max_batch=2"]}]')
+    overrides = run_overrides(run, ports, tiny_model_dir, pools=pools, steps=STEPS, groups_per_step=2, max_groups=2)
+    with slurm_session(c, 90, run=run):
+        assert "actors-cpu2.sbatch: job" in submit(c, overrides)
         deadline = time.monotonic() + 480
         while time.monotonic() < deadline and c.jobs():
             time.sleep(1)
-        assert not c.jobs(), f"jobs still queued: {c.jobs()}\n{_logs(run)}"
+        assert not c.jobs(), f"jobs still queued: {c.jobs()}\n{run_logs(run)}"
         metrics = read_jsonl(run / "learner" / "metrics.jsonl")
-        assert metrics and metrics[-1]["step"] == STEPS, _logs(run)
+        assert metrics and metrics[-1]["step"] == STEPS, run_logs(run)
         assert (run / "learner.addr").read_text().split()[1] == str(ports[0])
         trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
         pools = {t["actor_id"].split("-", 1)[0] for t in trajs if t["accepted"]}
@@ -63,20 +49,6 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
         assert any("pool/cpu/actors" in m for m in metrics) and any("pool/cpu2/actors" in m for m in metrics)
         check_groups(trajs)
         check_ledger(run / "learner")
-    except BaseException:
-        print(_logs(run))
-        print(c.tail("slurmctld", 40))
-        raise
-    finally:
-        c.close()
-        assert not c.stray_pids(), "a job process survived the teardown"
-
-
-def _logs(run: Path) -> str:
-    out = []
-    for p in sorted((run / "logs").glob("*.log")) if (run / "logs").exists() else []:
-        out.append(f"===== {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]))
-    return "\n".join(out)
 
 
 @pytest.mark.slow
@@ -89,40 +61,19 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
     ends by itself.  The learner job is then cancelled (it checkpoints and exits); every
     job ends; nothing was trained twice."""
     from turnscale.control import Autoscaler, LearnerControl
-    from turnscale.protocol.errors import PeerTimeout
     from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
     from turnscale.slurm import SlurmBackend
 
     c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=8)])
     run = tmp_path / "run"
     ports = [free_port() for _ in range(4)]
-    overrides = [
-        f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
-        "slurm.envhub_cpus=1", "slurm.wait_s=300", "slurm.pools=[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
-        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}", f"env.port={ports[3]}",
-        f"model.path={tiny_model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
-        "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", "learner.groups_per_step=2",
-        "learner.max_staleness=1", "learner.steps=100000", "learner.heartbeat_interval_s=1", "logger.tensorboard=false",
-        "logger.console_every_s=0", "actor.max_groups=1", "actor.request_timeout_s=10", "actor.reconnect_max_backoff_s=1",
-    ]
-    control = None
-    try:
-        c.start(90)
-        out = subprocess.run([sys.executable, "-m", "turnscale", "slurm", *overrides], env=c.env(), capture_output=True,
-                             text=True, timeout=120, cwd=REPO_ROOT)
-        assert out.returncode == 0, out.stdout + out.stderr
-        learner_job = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("learner.sbatch"))
-        _wait(lambda: (run / "learner.addr").exists(), 120, "learner.addr")
-        control = LearnerControl("127.0.0.1", ports[0], timeout_s=30)
-
-        def started() -> bool:  # a learner still loading under load answers no status yet
-            try:
-                st = control.status()
-            except PeerTimeout:
-                return False
-            return len(st.actors) == 1 and st.step >= 1
-
-        _wait(started, 300, "one actor and a step")
+    overrides = run_overrides(run, ports, tiny_model_dir, pools="[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
+                              steps=100000, groups_per_step=2, max_groups=1)
+    with slurm_session(c, 90, run=run) as hold:
+        job = learner_job(submit(c, overrides))
+        wait_for(lambda: (run / "learner.addr").exists(), 120, "learner.addr")
+        control = hold(LearnerControl("127.0.0.1", ports[0], timeout_s=30))
+        wait_started(control)
 
         def sbatch(cmd):
             return subprocess.run(list(cmd), env=c.env(), capture_output=True, text=True, check=True, timeout=60).stdout
@@ -136,7 +87,7 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
             auto.tick()
             return len([a for a in control.status().actors if not a.draining]) == 2
 
-        _wait(up, 240, "a second actor from sbatch --array", every_s=2.0)
+        wait_for(up, 240, "a second actor from sbatch --array", every_s=2.0)
         assert backend.submitted["cpu"] == 2 and any(d.changed and d.wanted["cpu"] == 2 for d in auto.decisions)
 
         # the pool's maximum drops to one: the least busy actor is drained and its job ends
@@ -145,36 +96,19 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
         d = auto.tick()
         assert d is not None and d.wanted == {"cpu": 1}
         drained = backend.drained[-1]
-        _wait(lambda: drained not in {a.actor_id for a in control.status().actors}, 180, f"{drained} leaving")
-        _wait(lambda: len(c.jobs()) == 3, 120,
+        wait_for(lambda: drained not in {a.actor_id for a in control.status().actors}, 180, f"{drained} leaving")
+        wait_for(lambda: len(c.jobs()) == 3, 120,
               "the drained actor's job ending")
         step = control.status().step
-        _wait(lambda: control.status().step >= step + 1, 180, "a step after the drain")
-        c.run(["scancel", "--full", learner_job])
-        _wait(lambda: not c.jobs(), 240, "every job ending")
+        wait_for(lambda: control.status().step >= step + 1, 180, "a step after the drain")
+        c.run(["scancel", "--full", job])
+        wait_for(lambda: not c.jobs(), 240, "every job ending")
         log = "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("learner-*.log"))
         assert f"actor {drained} drained" in log
         drain_at = log.index(f"actor {drained} (pool cpu) draining")
         assert f"granted to actor {drained}" not in log[drain_at:], "a lease was granted to a drained actor"
         check_groups(read_jsonl(run / "learner" / "trajectories.jsonl"))
         check_ledger(run / "learner")
-    except BaseException:
-        print(_logs(run))
-        print(c.tail("slurmctld", 40))
-        raise
-    finally:
-        if control is not None:
-            control.close()
-        c.close()
-        assert not c.stray_pids(), "a job process survived the teardown"
-
-
-def _wait(cond, timeout_s: float, what: str, every_s: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(every_s)
 
 
 @pytest.mark.slow
@@ -202,8 +136,7 @@ def test_slurm_backend_sees_a_cancelled_actor_task_in_squeue_and_replaces_it(tmp
             time.sleep(0.5)
         return b.live("cpu")
 
-    try:
-        c.start(90)
+    with slurm_session(c, 90):
         b = SlurmBackend(tmp_path, {"cpu": 0}, runner=runner)
         b.scale_to("cpu", 2)
         assert wait_live(b, 2) == 2
@@ -213,9 +146,3 @@ def test_slurm_backend_sees_a_cancelled_actor_task_in_squeue_and_replaces_it(tmp
         assert b.refresh() == {"cpu": 1}
         b.scale_to("cpu", 2)
         assert wait_live(b, 2) == 2
-    except BaseException:
-        print(c.tail("slurmctld", 40))
-        raise
-    finally:
-        c.close()
-        assert not c.stray_pids(), "a job process survived the teardown"

@@ -8,13 +8,13 @@ tests/integration/test_slurm_cluster.py.  Skips with the reason without root/Slu
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from turnscale.cluster import netns
 from turnscale.cluster.slurm import FakeSlurm, Node, available
+from tests.slurm_fixtures import learner_job, learner_log, run_overrides, slurm_session, submit, wait_for, wait_started
 
 OK, WHY = available()
 NS_OK, NS_WHY = netns.available()
@@ -26,17 +26,6 @@ def _script(folder: Path, pool: str, constraint: str) -> None:
         f"#!/bin/bash\n#SBATCH -J ts-actors-{pool}\n#SBATCH -o {folder}/{pool}-%A_%a.log\n#SBATCH -c 1\n"
         f"#SBATCH --constraint={constraint}\n#SBATCH --no-requeue\n"
         "hostname -I | awk '{print $1}'\nexec sleep 600\n")
-
-
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.5)
 
 
 def _where(c: FakeSlurm, pool: str) -> dict[str, str]:
@@ -60,8 +49,7 @@ def test_jobs_follow_node_features_a_killed_node_is_replaced_and_late_and_dynami
     def runner(cmd):
         return subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=60, env=c.env()).stdout
 
-    try:
-        c.start(120)
+    with slurm_session(c, 120, net=net):
         assert {n: c.node_states()[n] for n in ("n1", "n2", "n3")} == {"n1": "idle", "n2": "idle", "n3": "idle"}
         assert c.node_states()["n4"].startswith(("down", "unk"))
         for pool, feat in (("cpu", "cpu"), ("cpu2", "cpu2"), ("gpu", "gpu")):
@@ -71,9 +59,9 @@ def test_jobs_follow_node_features_a_killed_node_is_replaced_and_late_and_dynami
         # 1. features choose the nodes; each job runs inside its node's namespace
         b.scale_to("cpu", 2)
         b.scale_to("cpu2", 1)
-        _wait(lambda: len(_where(c, "cpu")) == 2 and len(_where(c, "cpu2")) == 1, 120, "three running tasks")
+        wait_for(lambda: len(_where(c, "cpu")) == 2 and len(_where(c, "cpu2")) == 1, 120, "three running tasks")
         assert set(_where(c, "cpu").values()) <= {"n1", "n2"} and set(_where(c, "cpu2").values()) == {"n3"}
-        addr = _wait(lambda: next((t for t in (p.read_text().strip() for p in tmp_path.glob("cpu2-*.log")) if t), ""),
+        addr = wait_for(lambda: next((t for t in (p.read_text().strip() for p in tmp_path.glob("cpu2-*.log")) if t), ""),
                      60, "the cpu2 task's output")
         assert addr == net.addr("n3"), (addr, net.addr("n3"))
 
@@ -83,19 +71,19 @@ def test_jobs_follow_node_features_a_killed_node_is_replaced_and_late_and_dynami
         victim = sorted(where.values())[0]
         lost = {t for t, n in where.items() if n == victim}
         c.kill_node(victim)
-        _wait(lambda: not lost & set(_where(c, "cpu")) and b.live("cpu") == 2 - len(lost), 240,
+        wait_for(lambda: not lost & set(_where(c, "cpu")) and b.live("cpu") == 2 - len(lost), 240,
               f"{sorted(lost)} leaving squeue after {victim} died")
         assert c.node_states()[victim].startswith("down")
         assert b.refresh()["cpu"] == 2 - len(lost)
         b.scale_to("cpu", 2)
         other = ({"n1", "n2"} - {victim}).pop()
-        _wait(lambda: sorted(_where(c, "cpu").values()) == [other, other], 120, f"two cpu tasks on {other}")
+        wait_for(lambda: sorted(_where(c, "cpu").values()) == [other, other], 120, f"two cpu tasks on {other}")
 
         # 3. a gpu task waits (no gpu node up) until n4 (declared, DOWN) comes up, then runs there
         b.scale_to("gpu", 1)
         assert b.live("gpu") == 1 and not _where(c, "gpu")
         c.start_node("n4", 120)
-        _wait(lambda: list(_where(c, "gpu").values()) == ["n4"], 120, "the gpu task on n4")
+        wait_for(lambda: list(_where(c, "gpu").values()) == ["n4"], 120, "the gpu task on n4")
 
         # 4. a node that Slurm did not know joins at run time (dynamic node, slurmd -Z) with a
         #    new feature, tpu; then the tpu pool's task runs there, inside n5's namespace
@@ -105,19 +93,10 @@ def test_jobs_follow_node_features_a_killed_node_is_replaced_and_late_and_dynami
         _script(tmp_path, "tpu", "tpu")
         b.pools["tpu"] = 0
         b.scale_to("tpu", 1)
-        _wait(lambda: list(_where(c, "tpu").values()) == ["n5"], 120, "the tpu task on the dynamic node n5")
-        addr = _wait(lambda: next((t for t in (p.read_text().strip() for p in tmp_path.glob("tpu-*.log")) if t), ""),
+        wait_for(lambda: list(_where(c, "tpu").values()) == ["n5"], 120, "the tpu task on the dynamic node n5")
+        addr = wait_for(lambda: next((t for t in (p.read_text().strip() for p in tmp_path.glob("tpu-*.log")) if t), ""),
                      60, "the tpu task's output")
         assert addr == net.addr("n5"), (addr, net.addr("n5"))
-    except BaseException:
-        print(c.tail("slurmctld", 40))
-        print(c.run(["sinfo", "-N", "-l"]))
-        raise
-    finally:
-        c.close()
-        net.close()
-        assert not c.stray_pids(), "a job process survived the teardown"
-        assert not netns.leftovers(net.prefix), netns.leftovers(net.prefix)
 
 
 @pytest.mark.slow
@@ -131,52 +110,27 @@ def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces
     SIGKILLed) while the actor holds a lease: the learner re-issues that lease after
     ``lease_ttl_s``, ``Autoscaler.tick`` (``SlurmBackend.refresh`` from squeue) submits a
     replacement that runs on the other cpu node and trains; nothing is trained twice."""
-    import sys
-
     from turnscale.control import Autoscaler, LearnerControl
-    from turnscale.protocol.errors import PeerTimeout
     from turnscale.protocol.transport import free_port
     from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
     from turnscale.slurm import SlurmBackend
-    from tests.conftest import REPO_ROOT
     from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
-    from tests.integration.test_slurm_cluster import _logs
 
     net = netns.Cluster(["n1", "n2", "n3"])
     c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("svc",), cpus=2), Node("n2", ("cpu",), cpus=1),
                                        Node("n3", ("cpu",), cpus=1)], net=net)
     run = tmp_path / "run"
     ports = [free_port() for _ in range(4)]
-    overrides = [
-        f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
-        "slurm.envhub_cpus=1", "slurm.wait_s=300", "slurm.learner_constraint=svc",
-        "slurm.pools=[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
-        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}", f"env.port={ports[3]}",
-        f"model.path={tiny_model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
-        "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", "learner.groups_per_step=1",
-        "learner.max_staleness=1", "learner.steps=100000", "learner.heartbeat_interval_s=1", "learner.lease_ttl_s=15",
-        "logger.tensorboard=false", "logger.console_every_s=0", "actor.max_groups=1", "actor.request_timeout_s=10",
-        "actor.reconnect_max_backoff_s=1", "actor.weights_shm=false",
-    ]
-    control = None
-    try:
-        c.start(120)
-        out = subprocess.run([sys.executable, "-m", "turnscale", "slurm", *overrides], env=c.env(), capture_output=True,
-                             text=True, timeout=120, cwd=REPO_ROOT)
-        assert out.returncode == 0, out.stdout + out.stderr
-        learner_job = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("learner.sbatch"))
-        _wait(lambda: (run / "learner.addr").exists(), 180, "learner.addr")
+    overrides = run_overrides(run, ports, tiny_model_dir, pools="[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
+                              steps=100000, groups_per_step=1, max_groups=1,
+                              extra=["slurm.learner_constraint=svc", "learner.lease_ttl_s=15", "actor.weights_shm=false"])
+    with slurm_session(c, 120, run=run, net=net) as hold:
+        job = learner_job(submit(c, overrides))
+        wait_for(lambda: (run / "learner.addr").exists(), 180, "learner.addr")
         host = (run / "learner.addr").read_text().split()[0]
         assert host == net.addr("n1")
-        control = LearnerControl(host, ports[0], timeout_s=30)
-        def started() -> bool:  # a learner still loading under load answers no status yet
-            try:
-                st = control.status()
-            except PeerTimeout:
-                return False
-            return len(st.actors) == 1 and st.step >= 1
-
-        _wait(started, 300, "one actor and a step")
+        control = hold(LearnerControl(host, ports[0], timeout_s=30))
+        wait_started(control)
         first = control.status().actors[0].actor_id
         where = _where(c, "cpu")
         assert len(where) == 1
@@ -190,7 +144,7 @@ def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces
         auto.tick()
         assert backend.submitted["cpu"] == 1  # nothing lost yet: nothing submitted
 
-        _wait(lambda: any(a.actor_id == first and a.leases > 0 for a in control.status().actors), 120,
+        wait_for(lambda: any(a.actor_id == first and a.leases > 0 for a in control.status().actors), 120,
               f"{first} holding a lease")
         killed_at = control.status().step
         c.kill_node(victim)
@@ -199,33 +153,17 @@ def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces
             auto.tick()
             return any(a.actor_id != first for a in control.status().actors)
 
-        _wait(lambda: replaced(), 420, "a replacement actor registering")
+        wait_for(lambda: replaced(), 420, "a replacement actor registering")
         assert backend.submitted["cpu"] == 2
         assert list(_where(c, "cpu").values()) == [other]
-        _wait(lambda: control.status().step >= killed_at + 2, 300, "two steps after the node died")
-        _wait(lambda: "expired; re-issued" in _learner_log(run), 120, "the dead actor's lease re-issued")
-        c.run(["scancel", "--full", learner_job])
-        _wait(lambda: not c.jobs(), 300, "every job ending")
-        log = _learner_log(run)
+        wait_for(lambda: control.status().step >= killed_at + 2, 300, "two steps after the node died")
+        wait_for(lambda: "expired; re-issued" in learner_log(run), 120, "the dead actor's lease re-issued")
+        c.run(["scancel", "--full", job])
+        wait_for(lambda: not c.jobs(), 300, "every job ending")
+        log = learner_log(run)
         trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
         assert {t["actor_id"] for t in trajs if t["accepted"]} >= {first}
         assert any(t["actor_id"] != first and t["accepted"] for t in trajs), "the replacement trained nothing"
         assert "expired; re-issued" in log
         check_groups(trajs)
         check_ledger(run / "learner")
-    except BaseException:
-        print(_logs(run))
-        print(c.tail("slurmctld", 40))
-        print(c.run(["sinfo", "-N", "-l"]))
-        raise
-    finally:
-        if control is not None:
-            control.close()
-        c.close()
-        net.close()
-        assert not c.stray_pids(), "a job process survived the teardown"
-        assert not netns.leftovers(net.prefix), netns.leftovers(net.prefix)
-
-
-def _learner_log(run: Path) -> str:
-    return "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("learner-*.log"))

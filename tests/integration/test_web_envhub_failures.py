@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +16,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from turnscale.benchmarks.envhub_launch import free_port, stop, wait_healthy
+from tests.envhub_proc import envhub_process
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"),
                                 reason="Debian's chromium is not installed (scripts/setup.sh installs it as root)")
@@ -72,23 +70,10 @@ def marker_processes(marker: bytes) -> list[int]:
 
 @contextmanager
 def web_server() -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="envhub-web-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "turnscale", "envhub", "env=web", "host=127.0.0.1", f"port={port}"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            wait_healthy(url, proc, WAIT_S)
-        except Exception as exc:
-            log.seek(0)
-            raise RuntimeError(f"envhub web did not start ({exc}): {log.read()[-3000:]}") from None
+    """A ``turnscale envhub env=web`` process (healthy) and a client for its ``/v1`` routes."""
+    with envhub_process("web", startup_timeout_s=WAIT_S, stop_grace_s=30.0) as (proc, url):
         with httpx.Client(base_url=url + "/v1", timeout=WAIT_S) as c:
             yield proc, c
-    finally:
-        stop(proc, grace_s=30.0)
-        log.close()
-        os.unlink(log.name)
 
 
 def new_instance(c: httpx.Client, data_idx: int) -> int:

@@ -621,7 +621,7 @@ def test_actor_registers_its_relay_buffer_before_each_pull_and_asks_the_learners
     seen = []
 
     async def pull(sock, manifest, timeout_s, buffer, **kw):
-        assert events[-1] == ("begin", id(next(s for s in actor._slots if s.buffer is buffer)), manifest.version)
+        assert events[-1] == ("begin", id(next(s for s in actor.weight_path.slots if s.buffer is buffer)), manifest.version)
         seen.append((manifest.version, [s.sock.getsockopt_string(zmq.LAST_ENDPOINT) for s in kw["relays"]]))
         kw["on_chunk"](0)
         kw["report"].from_learner += 1
