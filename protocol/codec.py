@@ -238,16 +238,15 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, expect: ty
         raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
 
 
-@dataclass(frozen=True, slots=True)
 class _ArrayRef:
     """An array ext as parsed from frame 0; validated (dtype, shape, size, frame) only once
-    the field it sits in is known, so every error names the field path."""
+    the field it sits in is known, so every error names the field path.  (A plain slotted
+    class: a frozen dataclass's ``__init__`` costs a few us per array.)"""
 
-    code: int
-    dtype: Any
-    shape: Any
-    data: Any
-    offset: Any
+    __slots__ = ("code", "dtype", "shape", "data", "offset")
+
+    def __init__(self, code: int, dtype: Any, shape: Any, data: Any, offset: Any) -> None:
+        self.code, self.dtype, self.shape, self.data, self.offset = code, dtype, shape, data, offset
 
 
 class _Ctx:
@@ -345,13 +344,19 @@ def _array(ref: _ArrayRef, ctx: _Ctx) -> np.ndarray:
             raise _Bad(f"dtype {_short(ref.dtype)} is not allowed on the wire")
         dtype = parsed
     shape = ref.shape
-    if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
-        raise _Bad(f"bad array shape {_short(shape)}")
-    count = 1
-    for d in shape:
-        count *= d
+    if len(shape) == 1:  # the common case, checked without a generator
+        count = largest = shape[0]
+        if type(count) is not int or count < 0:
+            raise _Bad(f"bad array shape {_short(shape)}")
+    else:
+        if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
+            raise _Bad(f"bad array shape {_short(shape)}")
+        count = 1
+        for d in shape:
+            count *= d
+        largest = max(shape, default=0)
     nbytes = count * dtype.itemsize
-    if nbytes > ctx.limits.max_array_bytes or max(shape, default=0) > ctx.limits.max_array_bytes:
+    if nbytes > ctx.limits.max_array_bytes or largest > ctx.limits.max_array_bytes:
         raise _Bad(f"array of shape {shape} ({nbytes} bytes) is over the limit of {ctx.limits.max_array_bytes} bytes")
     if ref.code == ARRAY_INLINE:
         raw = ref.data
@@ -476,10 +481,26 @@ def _record_converter(cls: type) -> Converter:
         # Every field was checked above: fill the slots directly, as the frozen
         # dataclass __init__ would (it costs an object.__setattr__ call per field).
         names["_new"] = object.__new__
-        body += ["    obj = _new(cls)"]
+        fill = ["    obj = _new(cls)"]
         for i, f in enumerate(fields):
             names[f"s{i}"] = cls.__dict__[f.name].__set__
-            body += [f"    s{i}(obj, v{i})"]
+            fill += [f"    s{i}(obj, v{i})"]
+        body += fill
+        if all(hints[f.name] in (str, int, bool, bytes, float) for f in fields):
+            # Whole-record fast path: the map holds every field, in the encoder's order,
+            # each of exactly its annotated type (what our own encoder always writes);
+            # two C-level tuple comparisons replace the per-field checks.  Anything else
+            # (a missing default, an int for a float, another key order, a bad value)
+            # takes the field-by-field path above, which names what is wrong.
+            names["order"] = tuple(f.name for f in fields)
+            names["types"] = tuple(hints[f.name] for f in fields)
+            fast = [
+                "    if type(body) is dict and tuple(body) == order and tuple(map(type, body.values())) == types:",
+                f"        {', '.join(f'v{i}' for i in range(len(fields)))}{',' if len(fields) == 1 else ''} = body.values()",
+                *("    " + line for line in fill),
+                "        return obj" if getattr(cls, "check", None) is None else "        return _finish(obj)",
+            ]
+            body[1:1] = fast
     else:
         body += [
             "    try:",
@@ -487,7 +508,9 @@ def _record_converter(cls: type) -> Converter:
             "    except (TypeError, ValueError) as exc:",
             "        raise _Bad(str(exc)) from None",
         ]
+    body += ["    return _finish(obj)"]
     body += [
+        "def _finish(obj):",
         "    if check is not None:",
         "        try:",
         "            check(obj)",
