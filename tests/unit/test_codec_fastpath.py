@@ -74,3 +74,45 @@ def test_a_scalar_record_with_a_check_is_still_checked_on_the_fast_path():
     assert codec.decode(_frames("SamplingParams", body)) == m.SamplingParams()
     with pytest.raises(ProtocolError, match=r"SamplingParams\.temperature: must be > 0"):
         codec.decode(_frames("SamplingParams", {**body, "temperature": 0.0}))
+
+
+# ----------------------------------------------------------------------------- frame 0 parsers
+# A frame 0 of at most ``Limits.max_items`` bytes is parsed by msgspec (it cannot hold a
+# list, map or string over the limit); a larger one by msgpack-python with every limit.
+
+
+def test_small_and_large_header_parsers_decode_every_example_to_the_same_record():
+    from tests.unit.message_examples import all_examples, assert_same
+
+    for msg in all_examples():
+        for threshold in (1 << 40, 0):
+            frames = [bytes(f) for f in codec.encode(msg, out_of_band_bytes=threshold)]
+            small = codec.decode(frames)  # default max_items (1 Mi) > any example's frame 0
+            large = codec.decode(frames, codec.Limits(max_items=len(frames[0]) - 1))
+            assert_same(small, msg)
+            assert_same(large, msg)
+
+
+def test_a_non_string_map_key_is_refused_by_both_header_parsers():
+    frames = _frames("Shutdown", {1: "x"})
+    with pytest.raises(ProtocolError, match=r"Shutdown: unknown field\(s\) \[1\]"):
+        codec.decode(frames)
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        codec.decode(frames, codec.Limits(max_items=len(frames[0]) - 1))
+    stats = _frames("Heartbeat", {"actor_id": "a", "lease_ids": [], "policy_version": 1, "stats": {7: 1.0}})
+    with pytest.raises(ProtocolError, match=r"Heartbeat\.stats\.<key>: expected str, got int"):
+        codec.decode(stats)
+
+
+@pytest.mark.parametrize("payload", [b"\xc1\xc1", b"\x93\x01", b"\x91" * 100_000 + b"\xc0", b"\x81\xa1v"])
+def test_malformed_small_headers_raise_protocol_error_only(payload):
+    with pytest.raises(ProtocolError):
+        codec.decode([payload])
+
+
+def test_a_header_exactly_max_items_bytes_long_is_parsed_within_the_limits():
+    frames = _frames("Shutdown", {"reason": "y" * 20})
+    limit = len(frames[0])
+    assert codec.decode(frames, codec.Limits(max_items=limit)) == m.Shutdown(reason="y" * 20)
+    with pytest.raises(ProtocolError, match="not valid msgpack"):  # the string alone is over a limit of 10
+        codec.decode(frames, codec.Limits(max_items=10))
