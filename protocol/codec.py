@@ -118,11 +118,11 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES,
             else:
                 packed.append((meta, arr))
             return _LateExt(meta)
-        return msgpack.ExtType(ARRAY_INLINE, msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()]))
+        return _ext(ARRAY_INLINE, _pack_meta([arr.dtype.str, arr.shape, arr.tobytes()]))
 
     def default(obj: Any) -> Any:  # values that do not match their annotation
         if type(obj) is _LateExt:
-            return msgpack.ExtType(ARRAY_FRAME, msgpack.packb(obj.meta))
+            return _ext(ARRAY_FRAME, _pack_meta(obj.meta))
         if isinstance(obj, np.ndarray):  # an array where the annotation wants none: the decoder refuses it
             return msgpack.ExtType(ARRAY_INLINE, msgpack.packb([obj.dtype.str, list(obj.shape), obj.tobytes()]))
         names = _field_names(type(obj))
@@ -144,6 +144,16 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES,
     except (TypeError, ValueError, OverflowError, AttributeError) as exc:  # e.g. an int beyond 64 bits
         raise ProtocolError(f"cannot encode {name}: {type(exc).__name__} {exc}") from None
     return frames
+
+
+_pack_meta = msgspec.msgpack.Encoder().encode
+"""An array ext's ``[dtype, shape, ...]`` payload (str, ints, bytes: the same bytes as
+``msgpack.packb`` writes, without building a packer per array)."""
+
+
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    """``msgpack.ExtType(code, data)`` without its argument checks (our own int and bytes)."""
+    return tuple.__new__(msgpack.ExtType, (code, data))
 
 
 class _LateExt:

@@ -116,3 +116,13 @@ def test_a_header_exactly_max_items_bytes_long_is_parsed_within_the_limits():
     assert codec.decode(frames, codec.Limits(max_items=limit)) == m.Shutdown(reason="y" * 20)
     with pytest.raises(ProtocolError, match="not valid msgpack"):  # the string alone is over a limit of 10
         codec.decode(frames, codec.Limits(max_items=10))
+
+
+def test_array_ext_payloads_are_the_bytes_msgpack_would_write():
+    import numpy as np
+
+    for arr in (np.arange(5, dtype=np.int32), np.zeros((3, 300), np.float16), np.zeros(0, np.uint8), np.ones((2, 70000), bool)):
+        payload = codec._pack_meta([arr.dtype.str, arr.shape, arr.tobytes()])
+        assert payload == msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()], use_bin_type=True)
+    for meta in (["<i4", (5,), 1, 0], ["<f4", (2, 3), 300, 70000], ["|u1", (1 << 33,), 2, 1 << 40]):
+        assert codec._pack_meta(meta) == msgpack.packb([meta[0], list(meta[1]), *meta[2:]], use_bin_type=True)
