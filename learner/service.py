@@ -49,12 +49,11 @@ learner process (new on every start, sent in every ``PolicyAnnouncement``), so a
 drop weights that a previous incarnation published under the same version numbers.
 
 Scaling (``ControlRequest`` -> ``LearnerStatus``, from a controller such as
-``turnscale.scaling``): a request may drain actors and set the lease limit per actor (at
-most ``learner.max_leases_per_actor``); every reply carries the signals (``_status``).  A
-drained actor gets no new lease; its in-flight groups are accepted and trained as usual;
-once it holds no lease its next ``LeaseRequest`` or ``Heartbeat`` is answered
-``Shutdown(reason="drained")`` and it leaves (``Goodbye``).  Nothing is lost or trained
-twice: draining changes only who gets the next lease.
+``turnscale.scaling``): ``self.control`` (``learner.control.ControlHandler``) drains actors,
+sets the lease limit per actor and answers the signals; its docstring states the order (a
+drained actor gets no new lease, its in-flight groups are trained, then it is told
+``Shutdown("drained")``).  This loop asks it on every ``LeaseRequest`` and ``Heartbeat``
+and feeds its ``ScalingSignals`` from intake and training.
 
 Shutdown: after ``learner.steps`` steps the service publishes ``Shutdown`` (a few times;
 PUB is lossy) and from then on answers every ``Hello``, ``LeaseRequest`` and ``Heartbeat``
@@ -80,6 +79,7 @@ import zmq
 
 from turnscale.conf.schema import Config
 from turnscale.learner import relaytree
+from turnscale.learner.control import ControlHandler
 from turnscale.learner.leases import LeaseManager, Ready
 from turnscale.learner.runstate import RunState
 from turnscale.learner.signal import SignalWatch
@@ -92,9 +92,7 @@ from turnscale.learner.validation import GroupLimits
 from turnscale.protocol import codec
 from turnscale.protocol.errors import ProtocolError, TransportError
 from turnscale.protocol.messages import (
-    ActorStatus,
     ControlRequest,
-    LearnerStatus,
     SCHEMA_VERSION,
     EnvEndpoint,
     ErrorReply,
@@ -218,10 +216,10 @@ class LearnerService:
         self.last_checkpoint_step = -1
         self.ready = trio.Event()
         """Set once sockets are bound and version 0 (or the resumed version) is published."""
-        self.lease_limit = lc.max_leases_per_actor
-        """Leases one actor may hold; a controller may lower it (``ControlRequest``)."""
-        self.scaling_signals = ScalingSignals()
-        """Cumulative scaling signals (``LearnerStatus``)."""
+        self.control = ControlHandler(self.actors, self.leases, self.run, lc.max_leases_per_actor)
+        """Drains, the lease limit per actor and the scaling signals (``learner.control``)."""
+        self.scaling_signals = self.control.signals
+        """Cumulative scaling signals (``LearnerStatus``), written by intake and training."""
 
     # ------------------------------------------------------------------ state (read from self.run)
     @property
@@ -535,7 +533,7 @@ class LearnerService:
         if self.stopping and isinstance(msg, (Hello, LeaseRequest, Heartbeat)):
             return self._told_shutdown(msg, identity)
         if isinstance(msg, ControlRequest):
-            return self._control(msg)
+            return self.control.handle(msg, ready_groups=len(self.buffer))
         if isinstance(msg, Hello):
             return self._hello(msg, identity, now)
         if isinstance(msg, LeaseRequest):
@@ -547,8 +545,9 @@ class LearnerService:
             if a is None:
                 return _not_registered()
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
-            if a.draining and self.leases.held_by(msg.actor_id) == 0 and not msg.lease_ids:
-                return self._drained(a)
+            drained = self.control.heartbeat_gate(a, msg.lease_ids)
+            if drained is not None:
+                return drained
             sources = self.weight_sources(msg.actor_id)
             return HeartbeatAck(unknown_lease_ids=self.leases.heartbeat(msg.actor_id, msg.lease_ids, now),
                                 weight_sources=sources, weight_source_keys=self.relay_keys(sources),
@@ -639,14 +638,14 @@ class LearnerService:
         if a is None:
             return _not_registered()
         a.last_seen = now
-        if a.draining:
-            return self._drained(a) if self.leases.held_by(msg.actor_id) == 0 else LeaseGrant(leases=[], retry_after_s=1.0)
+        gate = self.control.lease_gate(a)  # a draining actor: nothing new, then Shutdown("drained")
+        if gate is not None:
+            return gate
         if self.stopping or msg.max_leases < 1:
             return LeaseGrant(leases=[], retry_after_s=1.0)
         if self.publishing:
             return LeaseGrant(leases=[], retry_after_s=0.1)
-        room = min(a.max_groups, self.lease_limit) - self.leases.held_by(msg.actor_id)
-        want = min(msg.max_leases, max(0, room))  # one actor cannot take the whole admission window
+        want = min(msg.max_leases, self.control.room(a))  # one actor cannot take the whole admission window
         leases = self.leases.grant(msg.actor_id, want, now)
         for lease in leases:
             log.info("lease %s (task %s, turn limit %d, version %d) granted to actor %s", lease.lease_id,
@@ -679,56 +678,6 @@ class LearnerService:
             self.metrics.add("rollout/trajlog_errors", 1, "sum")
             log.warning("trajectory log write failed for group %s: %s: %s", group.lease_id, type(exc).__name__, exc)
         return GroupAck(lease_id=group.lease_id, accepted=r.accepted, reason=r.reason)
-
-
-    # ------------------------------------------------------------------ scaling
-    def _control(self, msg: ControlRequest) -> LearnerStatus:
-        """Drain the named actors and/or set the lease limit; answer the signals."""
-        for aid in msg.drain:
-            a = self.actors.actors.get(aid)
-            if a is None:
-                log.info("drain: no actor %s registered; ignored", short(aid))
-            elif not a.draining:
-                a.draining = True
-                log.info("actor %s (pool %s) draining: no new leases, %d in flight", short(aid), short(a.pool),
-                         self.leases.held_by(aid))
-        if msg.max_leases_per_actor > 0:
-            limit = min(msg.max_leases_per_actor, self.cfg.learner.max_leases_per_actor)
-            if limit != self.lease_limit:
-                log.info("lease limit per actor %d -> %d", self.lease_limit, limit)
-            self.lease_limit = limit
-        return self._status()
-
-    def _drained(self, a: Any) -> Shutdown:
-        log.info("actor %s drained (no lease left); told to leave", short(a.actor_id))
-        return Shutdown(reason="drained")
-
-    def _status(self) -> LearnerStatus:
-        s = self.scaling_signals
-        actors = [ActorStatus(actor_id=a.actor_id, pool=a.pool, host=a.host, leases=self.leases.held_by(a.actor_id),
-                              draining=a.draining, tokens_generated=float(a.stats.get("tokens_generated", 0.0)))
-                  for a in self.actors.values()]
-        idle = s.idle_s + (trio.current_time() - s.waiting_since if s.waiting_since is not None else 0.0)
-        return LearnerStatus(step=self.step, version=self.version, uptime_s=time.monotonic() - s.started,
-                             idle_s=idle, ready_groups=len(self.buffer), live_leases=len(self.leases.live),
-                             groups_received=s.groups_received, groups_stale=s.groups_stale,
-                             groups_trained=s.groups_trained, staleness_sum=s.staleness_sum,
-                             max_leases_per_actor=self.lease_limit, actors=actors)
-
-
-@dataclass
-class ScalingSignals:
-    """Cumulative counters behind ``LearnerStatus`` (the scaling signals)."""
-
-    started: float = field(default_factory=time.monotonic)
-    idle_s: float = 0.0
-    """Time the training loop waited for groups (closed waits)."""
-    waiting_since: float | None = None
-    """trio time the current wait began (None: not waiting)."""
-    groups_received: int = 0
-    groups_stale: int = 0
-    groups_trained: int = 0
-    staleness_sum: int = 0
 
 
 def _not_registered() -> ErrorReply:

@@ -25,6 +25,11 @@ def test_drained_actor_finishes_its_groups_and_exits_while_training_goes_on(clus
                                   "engine.max_batch=2"])
         c.actors.update(a1=a1, a2=a2)
         c.wait("a group from each pool", lambda: {t["actor_id"] for t in c.trajs()} >= {"a1", "a2"}, 240, alive=[learner, a1, a2])
+        # ``pool/<name>/actors`` counts the actors registered when a step ends: under load the
+        # first step can end after a2 has already been drained, so wait for one before draining
+        c.wait("a step with both pools registered",
+               lambda: any("pool/cpu_small/actors" in m and "pool/cpu/actors" in m for m in c.metrics()), 240,
+               alive=[learner, a1, a2])
         port = int(next(x.split("=")[1] for x in c.common if x.startswith("learner.port=")))
         ctl = LearnerControl("127.0.0.1", port, timeout_s=30)
         try:

@@ -4,12 +4,14 @@ slurmctld + slurmd on this machine, no munge) trains end to end with actors in t
 The node's features ``cpu`` and ``cpu2`` stand for two kinds of hardware; the ``cpu2`` pool
 runs the hf engine with other settings (``engine.max_batch=2``).  The learner job publishes
 its address in the run folder, the envhub job its URL, the two actor arrays find them, the
-learner trains its steps and tells the actors to stop; every job ends by itself.  Skips
+learner trains its steps and tells the actors to stop; every job ends by itself.  Both pools
+report their per-pool metrics, the log-prob gap keys (``learner.poolgap``) finite.  Skips
 with the reason when Slurm is not installed or this is not root.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import time
 
@@ -47,6 +49,11 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
         pools = {t["actor_id"].split("-", 1)[0] for t in trajs if t["accepted"]}
         assert pools == {"cpu", "cpu2"}, pools
         assert any("pool/cpu/actors" in m for m in metrics) and any("pool/cpu2/actors" in m for m in metrics)
+        for pool in ("cpu", "cpu2"):  # learner.poolgap: each pool's trained groups, the real trainer's gap
+            for key in ("logprob_gap_mean", "behaviour_weight_mean", "staleness_mean"):
+                values = [m[f"pool/{pool}/{key}"] for m in metrics if f"pool/{pool}/{key}" in m]
+                assert values, f"no pool/{pool}/{key} in any step\n{run_logs(run)}"
+                assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in values), (pool, key, values)
         check_groups(trajs)
         check_ledger(run / "learner")
 
