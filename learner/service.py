@@ -197,8 +197,6 @@ class LearnerService:
         self.publishing = False
         """True while a publication is in progress: no leases are granted meanwhile."""
         self.manifest: WeightManifest | None = None
-        self._egress_mark = 0
-        """The publisher's ``served_bytes`` when the current version was published."""
         self.actors = ActorRegistry(max_actors=lc.max_actors, silent_s=3 * lc.heartbeat_interval_s)
         """Registered actors, each bound to its connection (``learner.registry``)."""
         self.metrics = StepMetrics()
@@ -303,28 +301,28 @@ class LearnerService:
     async def _publish_weights(self, version: int) -> None:
         self.publishing = True
         try:
-            self._record_egress()
             sd = await trio.to_thread.run_sync(self.parts.weights)
             self.manifest = await trio.to_thread.run_sync(self.parts.publisher.publish, version, sd)
+            self._record_egress()
             self.run.publish(version)
             await self._announce()
         finally:
             self.publishing = False
 
     def _record_egress(self) -> None:
-        """Learner egress for the version being replaced: the weight bytes its publisher served
-        since that version was published (``weights/learner_egress_copies``: in copies of the
-        weights; with relays about ``learner.relay.fanout``, without them one per actor)."""
-        served = getattr(self.parts.publisher, "served_bytes", None)
-        if served is None:
+        """Learner egress of each weight version retired by the last publish: the bytes its
+        publisher served for that version over its whole life, late pulls included
+        (``weights/learner_egress_copies``: in copies of the weights; with relays about
+        ``learner.relay.fanout``, without them one per actor).  Reported when the version
+        can no longer be pulled: the publisher keeps two versions, so one publish later."""
+        take = getattr(self.parts.publisher, "take_retired_egress", None)
+        if take is None:
             return
-        m = self.manifest
-        if m is not None and m.total_bytes:
-            d = served - self._egress_mark
-            self.metrics.add("weights/learner_egress_bytes", d, "sum")
-            self.metrics.add("weights/learner_egress_copies", d / m.total_bytes, "max")
-            log.info("weights v%d: learner egress %d bytes (%.2f copies)", m.version, d, d / m.total_bytes)
-        self._egress_mark = served
+        for version, served, total in take():
+            if total:
+                self.metrics.add("weights/learner_egress_bytes", served, "sum")
+                self.metrics.add("weights/learner_egress_copies", served / total, "max")
+                log.info("weights v%d: learner egress %d bytes (%.2f copies)", version, served, served / total)
 
     async def _announce(self) -> None:
         try:

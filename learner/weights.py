@@ -62,6 +62,8 @@ class _Version:
     buf: np.ndarray
     trackers: list = field(default_factory=list)
     segment: Segment | None = None
+    served_bytes: int = 0
+    """Chunk bytes of this version handed to the kernel for sending (its learner egress)."""
 
 
 class WeightPublisher:
@@ -92,6 +94,8 @@ class WeightPublisher:
         self.served_chunks = 0
         self.served_bytes = 0
         """Learner egress: chunk bytes handed to the kernel for sending, all versions."""
+        self._retired_egress: list[tuple[int, int, int]] = []
+        """``(version, served bytes, total bytes)`` of retired versions not yet taken."""
         self.bad_requests = 0
         self._sock = configure(self._ctx.socket(zmq.ROUTER), limits, curve, server=True)  # CURVE: ZAP runs on context
         if endpoint.endswith(":0"):
@@ -115,6 +119,7 @@ class WeightPublisher:
             for v in sorted(self._versions)[: max(len(self._versions) - (self.keep - 1), 0)]:
                 old = self._versions.pop(v)
                 self._spare.append((old.buf, old.trackers, old.segment))
+                self._retired_egress.append((v, old.served_bytes, old.manifest.total_bytes))
         buf, seg = self._take_buffer(total)
         if seg is not None:
             seg.begin_write()  # same-host readers refuse every chunk from here on
@@ -134,6 +139,14 @@ class WeightPublisher:
         with self._lock:
             self._versions[version] = _Version(manifest, buf, segment=seg)
         return manifest
+
+    def take_retired_egress(self) -> list[tuple[int, int, int]]:
+        """``(version, served bytes, total bytes)`` of each version retired since the last
+        call, oldest first.  A retired version can no longer be pulled, so its count is final:
+        a late pull of an old version counts for that version, whenever its bytes leave."""
+        with self._lock:
+            taken, self._retired_egress = self._retired_egress, []
+        return taken
 
     def segment_ref(self, version: int) -> SegmentRef | None:
         """Where a same-host actor finds ``version``'s stream (None: not served, or no ``shm``)."""
@@ -236,5 +249,6 @@ class WeightPublisher:
                 ver.trackers.append(tracker)
                 self.served_chunks += 1
                 self.served_bytes += c.nbytes
+                ver.served_bytes += c.nbytes
                 return
         self._sock.send_multipart([*prefix, *codec.encode(err)])

@@ -222,3 +222,21 @@ def test_a_curve_relay_serves_listed_curve_clients_and_strangers_and_plain_clien
     assert rep_curve.from_relays == len(m.chunks) and rep_curve.from_learner == 0
     assert rep_plain.from_relays == 0 and rep_plain.from_learner == len(m.chunks)
     assert rep_stranger.from_relays == 0 and rep_stranger.from_learner == len(m.chunks)
+
+
+def test_egress_is_counted_per_version_and_reported_when_the_version_is_retired():
+    """A late pull of an old version counts for that version, not for whichever version is
+    newest when the bytes leave (the learner logged 0 then 4 copies for two versions whose
+    pulls straddled a publish; each was 2 copies)."""
+    with WeightPublisher("tcp://127.0.0.1:0", chunk_mb=0.004, dtype="bfloat16", keep=2) as pub:
+        m1 = pub.publish(1, state_dict(1))
+        trio.run(pull_into, pub.endpoint, m1, ReceiveBuffer())
+        m2 = pub.publish(2, state_dict(2))
+        trio.run(pull_into, pub.endpoint, m1, ReceiveBuffer())  # a late pull of version 1
+        trio.run(pull_into, pub.endpoint, m2, ReceiveBuffer())
+        assert pub.take_retired_egress() == []  # both still servable: their counts can grow
+        pub.publish(3, state_dict(3))  # retires version 1
+        assert pub.take_retired_egress() == [(1, 2 * m1.total_bytes, m1.total_bytes)]
+        assert pub.take_retired_egress() == []  # each retired version is reported once
+        pub.publish(4, state_dict(4))
+        assert pub.take_retired_egress() == [(2, m2.total_bytes, m2.total_bytes)]
