@@ -18,17 +18,11 @@ import pytest
 
 from turnscale.protocol.transport import free_port
 from tests.envhub_proc import envhub_server
-from tests.integration.test_learner_e2e import TINY, end, read_jsonl, start, wait_exit
+from tests.integration.test_learner_e2e import TINY, end, final_actor_stats, read_jsonl, start, wait_exit
 
 
 def applied_versions(path: str) -> list[int]:
     return [int(v) for v in re.findall(r"applied weights version (\d+)", open(path).read())]
-
-
-def final_stats(path: str) -> dict[str, float]:
-    m = re.search(r"stopped \([^)]*\): ActorStats\((.*)\)", open(path).read())
-    assert m, f"no final stats in {path}"
-    return {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.]+)", m.group(1))}
 
 
 @pytest.mark.slow
@@ -86,7 +80,7 @@ def test_chain_of_relays_survives_a_corrupt_and_a_killed_relay(tmp_path):
             for n in ("a2", "a3"):
                 seen = applied_versions(logs[n])
                 assert seen == sorted(seen) and len(set(seen)) == len(seen), (n, seen)  # each version once, in order
-                stats[n] = final_stats(logs[n])
+                stats[n] = final_actor_stats(logs[n])
                 assert stats[n]["torn_weights"] == 0, (n, stats[n])
             head = applied_versions(logs["a1"])
             assert head == sorted(head) and len(head) >= 3
