@@ -519,6 +519,19 @@ class WarmStartConfig:
     """SFT steps (0 skips the warm start); stopped early on purpose, so RL has room."""
     lr: float = 3e-3
     batch_episodes: int = 16
+    rounds: int = 1
+    """With ``run.adapt``: up to this many SFT rounds of ``steps`` each, stopping once a probe
+    on training tasks predicts at least ``min_mixed`` of GRPO groups with mixed rewards
+    (``turnscale/recipe.py``)."""
+    min_mixed: float = 0.3
+    """Predicted share of groups with both a success and a failure that counts as signal."""
+    probe_tasks_per_level: int = 8
+    """Training tasks per level in the probe after each round (held-out tasks are never used)."""
+
+    def __post_init__(self) -> None:
+        _require(self.rounds >= 1, "run.warm_start.rounds", "must be >= 1")
+        _require(0.0 <= self.min_mixed <= 1.0, "run.warm_start.min_mixed", "a fraction in [0, 1]")
+        _require(self.probe_tasks_per_level >= 1, "run.warm_start.probe_tasks_per_level", "must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -604,6 +617,11 @@ class RunConfig:
     """Turn limit of the held-out evaluations."""
     eval_samples: int = 1
     """Episodes per held-out task."""
+    adapt: bool = True
+    """Fit the recipe to the level mix (BabyAI): survey the oracle, stretch the turn limits to
+    what the levels need, warm-start in rounds until RL has signal (``turnscale/recipe.py``)."""
+    adapt_max_turns: int = 32
+    """Cap on the oracle's turns in the survey (and on the fitted turn limits)."""
     timeout_s: float = 1800.0
     """The whole run is stopped (children by pid) after this long."""
     actor_python: str = ""
@@ -613,6 +631,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.actors >= 1, "run.actors", "must be >= 1")
+        _require(self.adapt_max_turns >= 1, "run.adapt_max_turns", "must be >= 1")
         for key in ("warmup_seeds", "train_seeds", "test_seeds"):
             a, sep, b = getattr(self, key).partition(":")
             _require(sep == ":" and a.isdigit() and b.isdigit() and int(a) < int(b), f"run.{key}", "a seed range 'a:b' with a < b")

@@ -141,7 +141,7 @@ def run_seed(base: Config, seed: int, arms: Sequence[str], eval_turns: Sequence[
                               learner=dataclasses.replace(base.learner, seed=seed))
     shared = Launcher(cfg)
     try:
-        files, sft_path, model_path = shared.prepare()
+        files, sft_path, model_path = shared.prepare(adapt=False)  # the arms set their own turn limits
         warm_model = shared.warm_start(model_path, sft_path) if cfg.run.warm_start.steps > 0 else model_path
         env_url = shared.start_envhub()
         warm = shared.evaluate_turns("eval_warm_start", warm_model, files["test"], env_url, eval_turns)

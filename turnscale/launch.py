@@ -5,9 +5,13 @@
 1. task files for the run's task mix (BabyAI levels, or ``env=web``'s world seeds;
    warm-up, train, held-out test seeds);
 2. oracle conversations for the warm start, and the tiny model built on their text
-   (``model.path=tiny``; any other ``model.path`` is used as it is);
-3. warm start: ``turnscale learner algo=sft`` on those conversations (offline SFT);
-4. an envhub server; held-out success of the warm-started model (``turnscale eval``);
+   (``model.path=tiny``; any other ``model.path`` is used as it is); with ``run.adapt``
+   (BabyAI) the oracle's play is surveyed first and the turn limits fitted to the level mix
+   (``turnscale/recipe.py``);
+3. an envhub server; warm start: ``turnscale learner algo=sft`` on those conversations
+   (offline SFT), in up to ``run.warm_start.rounds`` rounds until a probe on training tasks
+   predicts enough GRPO groups with mixed rewards (else a warning says what to change);
+4. held-out success of the warm-started model (``turnscale eval``);
 5. RL: ``turnscale learner`` (GRPO, asynchronous, ScalingInter-RL schedule) initialised
    from the warm start, and ``run.actors`` ``turnscale actor`` processes; progress lines
    from the learner's ``metrics.jsonl`` until the learner finishes its steps;
@@ -149,6 +153,8 @@ class Launcher:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.procs = ProcessGroup(self.dir / "logs", "turnscale")
         self.t0 = time.monotonic()
+        self.recipe: dict | None = None
+        """The fitted recipe (``fit_recipe``), its warm-start rounds and advice; None unless adapted."""
 
     def say(self, msg: str) -> None:
         print(f"[{time.monotonic() - self.t0:6.0f}s] {msg}", flush=True)
@@ -186,11 +192,15 @@ class Launcher:
                               f"run.actor_python=.venv-vllm/bin/python (engine.device=cpu engine.dtype=float32)")
 
     # 1-2
-    def prepare(self) -> tuple[dict[str, str], str, str]:
+    def prepare(self, adapt: bool | None = None) -> tuple[dict[str, str], str, str]:
+        """Task files, warm-start conversations and the model.  With ``adapt`` (default
+        ``run.adapt``; BabyAI only) the oracle's play is surveyed first and the turn limits
+        are fitted to the mix (``fit_recipe``), changing ``self.cfg`` before any child starts."""
         from turnscale.common.tinymodel import ensure_model
-        from turnscale.warmstart import corpus_from_conversations, oracle_conversations, write_conversations
+        from turnscale.warmstart import conversations_from_runs, corpus_from_conversations, oracle_runs, write_conversations
 
         rc, env = self.cfg.run, self.cfg.env
+        adapt = (rc.adapt if adapt is None else adapt) and env.name == "babyai"
         ids_of, mix = run_task_mix(env)
         tasks_dir = self.dir / "tasks"
         files = {
@@ -200,31 +210,86 @@ class Launcher:
         }
         sft_path = self.dir / "warmstart" / "conversations.jsonl"
         warm_ids = json.loads(Path(files["warmup"]).read_text())[: rc.warm_start.episodes]
-        n = write_conversations(sft_path, oracle_conversations(env.name, warm_ids, max_turns=rc.warm_start.max_turns,
-                                                               options=dict(env.options)))
+        cap = max(rc.adapt_max_turns, rc.warm_start.max_turns) if adapt else rc.warm_start.max_turns
+        runs = list(oracle_runs(env.name, warm_ids, max_turns=cap, options=dict(env.options)))
+        if adapt:
+            self.fit_recipe(runs, cap)
+            train = json.loads(Path(files["train"]).read_text())
+            n_levels = len(self.recipe["survey"])
+            files["probe"] = write_tasks(tasks_dir / "probe.json", train[: n_levels * rc.warm_start.probe_tasks_per_level])
+        n = write_conversations(sft_path, conversations_from_runs(env.name, runs, self.cfg.run.warm_start.max_turns))
         self.say(f"warm start data: {n} oracle conversations on {mix} -> {sft_path}")
         model_path = ensure_model(self.cfg.model, lambda: corpus_from_conversations(sft_path))
         self.say(f"model: {model_path}")
         return files, str(sft_path), model_path
 
+    def fit_recipe(self, runs: list[tuple], cap: int) -> None:
+        """Survey the oracle's ``runs`` and fit the turn limits (``recipe.fit``) into
+        ``self.cfg``; the survey and the fit go to ``self.recipe`` (``summary.json``)."""
+        from turnscale import recipe
+
+        cfg = self.cfg
+        surveys = recipe.survey_runs(runs)
+        for line in recipe.survey_lines(surveys):
+            self.say(f"survey: {line}")
+        f = recipe.fit(surveys, cfg.schedule.turns, cfg.run.eval_turns, cfg.run.warm_start.max_turns, cap)
+        for note in f.notes:
+            self.say(f"recipe: {note}")
+        if f.changed:
+            cfg.schedule = dataclasses.replace(cfg.schedule, turns=list(f.schedule))
+            cfg.run = dataclasses.replace(cfg.run, eval_turns=f.eval_turns)
+        cfg.run.warm_start = dataclasses.replace(cfg.run.warm_start, max_turns=f.max_turns)
+        self.say(f"recipe: turn limits {cfg.schedule.turns} every {cfg.schedule.every} steps, evaluation within "
+                 f"{cfg.run.eval_turns} turns, warm-start episodes up to {f.max_turns} turns")
+        self.recipe = {"survey": [dataclasses.asdict(s) | {"solve_rate": s.solve_rate} for s in surveys],
+                       "fit": dataclasses.asdict(f), "rounds": [], "advice": None}
+
     # 3
-    def warm_start(self, model_path: str, sft_path: str) -> str:
+    def warm_start(self, model_path: str, sft_path: str, round_: int = 1) -> str:
+        """One SFT round from ``model_path``; the model directory of its checkpoint."""
         from turnscale.learner import checkpoint
 
         ws = self.cfg.run.warm_start
-        out = self.dir / "warmstart"
+        out = self.dir / "warmstart" / (f"round-{round_}" if round_ > 1 else "")
         args = ["learner", "algo=sft"] + child_overrides(
             self.cfg, ["model", "sampling", "logger"],
             model__path=model_path, algo__lr=ws.lr, learner__dir=str(out), learner__steps=ws.steps,
             learner__groups_per_step=ws.batch_episodes, learner__sft_data=sft_path, learner__checkpoint_every=ws.steps,
-            learner__keep_checkpoints=1, learner__seed=self.cfg.learner.seed, logger__tensorboard=False,
+            learner__keep_checkpoints=1, learner__seed=self.cfg.learner.seed + round_ - 1, logger__tensorboard=False,
         )
-        self.say(f"warm start: SFT, {ws.steps} steps of {ws.batch_episodes} conversations")
-        self.wait(self.procs.start("warmstart", args), "warm start (turnscale learner algo=sft)")
+        self.say(f"warm start{f' round {round_}' if ws.rounds > 1 else ''}: SFT, {ws.steps} steps of {ws.batch_episodes} conversations")
+        self.wait(self.procs.start(f"warmstart{f'-{round_}' if round_ > 1 else ''}", args), "warm start (turnscale learner algo=sft)")
         ck = checkpoint.latest(str(out / "checkpoints"))
         if ck is None:
             raise ChildFailed(f"warm start wrote no checkpoint under {out / 'checkpoints'}")
         return os.path.join(ck, "model")
+
+    def warm_start_until_signal(self, model_path: str, sft_path: str, files: dict[str, str], env_url: str) -> str:
+        """SFT rounds until a probe on training tasks predicts enough GRPO groups with mixed
+        rewards (``recipe.advice``), at most ``run.warm_start.rounds``; the probe runs at the
+        first stage's turn limit, where RL starts.  Without a fitted recipe: one round."""
+        from turnscale import recipe
+
+        ws = self.cfg.run.warm_start
+        model = self.warm_start(model_path, sft_path)
+        if self.recipe is None:
+            return model
+        turns = self.cfg.schedule.turns[0]
+        group = self.cfg.algo.group_size
+        for k in range(1, ws.rounds + 1):
+            if k > 1:
+                model = self.warm_start(model, sft_path, k)
+            doc = self.evaluate_doc(f"probe_warm_start_{k}", model, files["probe"], env_url, [turns], samples=1)
+            success = success_by_category(doc, turns)
+            adv = recipe.advice(success, group, ws.min_mixed, ws.rounds - k)
+            self.recipe["rounds"].append({"round": k, "sft_steps": k * ws.steps, "turn_limit": turns, "success": success,
+                                          "predicted_mixed": recipe.predicted_mixed(success, group)})
+            self.recipe["advice"] = dataclasses.asdict(adv)
+            self.say(f"warm start round {k}: probe success " + ", ".join(f"{lvl.removeprefix('BabyAI-')} {p:.2f}" for lvl, p in success.items())
+                     + f" within {turns} turns; {adv.message}")
+            if adv.verdict != "more_sft":
+                break
+        return model
 
     # 4
     def start_envhub(self) -> str:
@@ -249,19 +314,25 @@ class Launcher:
         return self.evaluate_turns(name, model_dir, tasks_file, env_url, [self.cfg.run.eval_turns])[self.cfg.run.eval_turns]
 
     def evaluate_turns(self, name: str, model_dir: str, tasks_file: str, env_url: str, turns: Sequence[int]) -> dict[int, dict]:
-        """Held-out success of one model at each turn limit of ``turns`` (one ``turnscale eval``)."""
-        rc = self.cfg.run
-        out = self.dir / name
-        args = ["eval", "--model", f"{model_dir}={name}", "--env", self.cfg.env.name, "--tasks", tasks_file,
-                "--turns", ",".join(str(t) for t in turns), "--samples", str(rc.eval_samples), "--out", str(out), "--no-progress",
-                *child_overrides(self.cfg, ["sampling", "engine"], env__url=env_url),
-                *option_overrides("env.options", self.cfg.env.options)]
-        self.wait(self.procs.start(name, args, python=self.engine_python()), f"evaluation {name}")
-        doc = json.loads((out / "eval.json").read_text())
-        found = {t: held_out_success(doc, t) for t in turns}
+        """Held-out success of one model at each turn limit of ``turns`` (one ``turnscale eval``),
+        with success per category (level) under ``by_category``."""
+        doc = self.evaluate_doc(name, model_dir, tasks_file, env_url, turns)
+        found = {t: held_out_success(doc, t) | {"by_category": success_by_category(doc, t)} for t in turns}
         self.say(f"{name}: held-out success " + ", ".join(f"{v['success']:.3f} within {t} turns" for t, v in found.items())
                  + f" over {found[turns[0]]['episodes']} episodes")
         return found
+
+    def evaluate_doc(self, name: str, model_dir: str, tasks_file: str, env_url: str, turns: Sequence[int],
+                     samples: int | None = None) -> dict:
+        """``eval.json`` of one ``turnscale eval`` of ``model_dir`` on ``tasks_file``."""
+        rc = self.cfg.run
+        out = self.dir / name
+        args = ["eval", "--model", f"{model_dir}={name}", "--env", self.cfg.env.name, "--tasks", tasks_file,
+                "--turns", ",".join(str(t) for t in turns), "--samples", str(samples or rc.eval_samples), "--out", str(out),
+                "--no-progress", *child_overrides(self.cfg, ["sampling", "engine"], env__url=env_url),
+                *option_overrides("env.options", self.cfg.env.options)]
+        self.wait(self.procs.start(name, args, python=self.engine_python()), f"evaluation {name}")
+        return json.loads((out / "eval.json").read_text())
 
     # 5
     def rl(self, init_from: str, files: dict[str, str], env_url: str) -> Path:
@@ -327,6 +398,12 @@ def held_out_success(doc: dict, turn_limit: int | None = None) -> dict:
             "errors": int(r["errors"]), "mean_turns": float(r["mean_turns"] or 0.0), "turn_limit": int(r["turn_limit"])}
 
 
+def success_by_category(doc: dict, turn_limit: int) -> dict[str, float]:
+    """Success per category (BabyAI: level) at ``turn_limit`` from an ``eval.json``."""
+    return {r["category"]: float(r["success"]) for r in doc.get("rows", [])
+            if r.get("category") and r.get("success") is not None and int(r.get("turn_limit", -1)) == turn_limit}
+
+
 def run(cfg: Config) -> int:
     from turnscale.learner import checkpoint
     from turnscale.report import summary_table, write_plots
@@ -338,8 +415,9 @@ def run(cfg: Config) -> int:
     try:
         launcher.check_engine_python()
         files, sft_path, model_path = launcher.prepare()
-        warm_model = launcher.warm_start(model_path, sft_path) if cfg.run.warm_start.steps > 0 else model_path
         env_url = launcher.start_envhub()
+        warm_model = (launcher.warm_start_until_signal(model_path, sft_path, files, env_url)
+                      if cfg.run.warm_start.steps > 0 else model_path)
         warm = launcher.evaluate("eval_warm_start", warm_model, files["test"], env_url)
         ldir = launcher.rl(warm_model, files, env_url)
         ck = checkpoint.latest(str(ldir / "checkpoints"))
@@ -359,6 +437,7 @@ def run(cfg: Config) -> int:
             "steps": int(rows[-1]["step"]) if rows else 0,
             "wall_s": time.monotonic() - launcher.t0,
             "checkpoint": ck,
+            "recipe": launcher.recipe,
             "config": dataclasses.asdict(cfg),
         }
         (launcher.dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -47,9 +47,14 @@ def oracle_runs(env: str, task_ids: Sequence[int], *, max_turns: int, options: d
 
 def oracle_conversations(env: str, task_ids: Sequence[int], *, max_turns: int, options: dict | None = None) -> Iterable[dict]:
     """One conversation per task the oracle solves within ``max_turns`` (failures are skipped)."""
+    return conversations_from_runs(env, oracle_runs(env, task_ids, max_turns=max_turns, options=options))
+
+
+def conversations_from_runs(env: str, runs: Iterable[tuple], max_turns: int | None = None) -> Iterable[dict]:
+    """Conversations of the solved runs of ``oracle_runs`` (at most ``max_turns`` turns when given)."""
     prompt = instruction(env)
-    for idx, steps, success, ret, category in oracle_runs(env, task_ids, max_turns=max_turns, options=options):
-        if not success or not steps:
+    for idx, steps, success, ret, category in runs:
+        if not success or not steps or (max_turns is not None and len(steps) > max_turns):
             continue
         messages = initial_messages(prompt, steps[0][0])
         for k, (_, action) in enumerate(steps):

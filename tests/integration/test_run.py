@@ -31,6 +31,7 @@ def test_short_run_writes_summary_plots_metrics_trajectories_and_checkpoint_and_
     held-out success equals the warm start's exactly (evaluation seeds are fixed per task)."""
     run_dir = tmp_path / "run"
     summary = _run(run_dir, "algo.lr=0", "learner.steps=4", "schedule.every=2", "run.warm_start.steps=3", "run.warm_start.episodes=30",
+                   "run.warm_start.rounds=2", "run.warm_start.probe_tasks_per_level=2",
                    "run.test_seeds=1000:1002", "run.eval_samples=1", "logger.console_every_s=0", timeout=540)
     assert summary["steps"] == 4
     for key in ("warm_start", "final"):
@@ -49,6 +50,16 @@ def test_short_run_writes_summary_plots_metrics_trajectories_and_checkpoint_and_
     assert eps and all(e["env"] == "babyai" for e in eps)
     assert Path(summary["checkpoint"], "model", "config.json").exists()
     assert list((run_dir / "learner" / "tb").iterdir())
+    # run.adapt: the GoTo mix needs <= 8 turns, so the calibrated turn limits stay; the warm
+    # start ran 1-2 rounds, each probed on training tasks, and ended with a verdict
+    recipe = summary["recipe"]
+    assert [s["level"] for s in recipe["survey"]] == [f"BabyAI-{n}-v0" for n in
+                                                     ("GoToRedBallGrey", "GoToRedBall", "GoToRedBallNoDists", "GoToObjS6", "GoToLocalS8N7")]
+    assert recipe["fit"]["changed"] is False and summary["config"]["schedule"]["turns"] == [3, 5, 8]
+    assert 1 <= len(recipe["rounds"]) <= 2 and recipe["advice"]["verdict"] in ("enough", "warn")
+    assert all(len(r["success"]) == 5 and 0.0 <= r["predicted_mixed"] <= 1.0 for r in recipe["rounds"])
+    assert (len(recipe["rounds"]) == 2) == (recipe["advice"]["verdict"] == "warn" or recipe["rounds"][0]["predicted_mixed"] < 0.3)
+    assert len(summary["warm_start"]["by_category"]) == 5
 
 
 LEARNING_MARGIN = 0.025
