@@ -221,7 +221,40 @@ class Launcher:
         self.say(f"warm start data: {n} oracle conversations on {mix} -> {sft_path}")
         model_path = ensure_model(self.cfg.model, lambda: corpus_from_conversations(sft_path))
         self.say(f"model: {model_path}")
+        if adapt and self.recipe["fit"]["changed"]:  # a mix the schedule covers keeps the calibrated context too
+            self.fit_context(model_path, sft_path)
         return files, str(sft_path), model_path
+
+    def fit_context(self, model_path: str, sft_path: Path) -> None:
+        """Fit ``sampling.max_context_tokens`` to the fitted horizon (``recipe.fit_context``),
+        measured on the warm-start conversations with the model's own tokenizer; when the
+        model's positions cannot hold the horizon, the turn limits are capped to what fits."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from turnscale import recipe
+        from turnscale.common.renderer import Renderer
+        from turnscale.learner.sft_data import conversation_to_episode
+
+        cfg = self.cfg
+        renderer = Renderer.for_tokenizer(AutoTokenizer.from_pretrained(model_path))
+        lengths = []
+        with open(sft_path, encoding="utf-8") as f:
+            for line in f:
+                msgs = json.loads(line)["messages"]
+                first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+                lengths.append((len(renderer.initial(msgs[:first])), len(conversation_to_episode(renderer, msgs).token_ids),
+                                sum(m["role"] == "assistant" for m in msgs)))
+        model_max = int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0) or cfg.sampling.max_context_tokens)
+        horizon = max(cfg.schedule.turns)
+        c = recipe.fit_context(lengths, horizon, cfg.sampling.max_context_tokens, model_max)
+        if c.note:
+            self.say(f"recipe: {c.note}")
+        cfg.sampling = dataclasses.replace(cfg.sampling, max_context_tokens=c.tokens)
+        if c.horizon < horizon:
+            turns = recipe.stretch(cfg.schedule.turns, min(cfg.schedule.turns[0], c.horizon), c.horizon)
+            cfg.schedule = dataclasses.replace(cfg.schedule, turns=list(turns))
+            cfg.run = dataclasses.replace(cfg.run, eval_turns=min(cfg.run.eval_turns, c.horizon))
+        self.recipe["context"] = dataclasses.asdict(c)
 
     def fit_recipe(self, runs: list[tuple], cap: int) -> None:
         """Survey the oracle's ``runs`` and fit the turn limits (``recipe.fit``) into
@@ -242,7 +275,7 @@ class Launcher:
         self.say(f"recipe: turn limits {cfg.schedule.turns} every {cfg.schedule.every} steps, evaluation within "
                  f"{cfg.run.eval_turns} turns, warm-start episodes up to {f.max_turns} turns")
         self.recipe = {"survey": [dataclasses.asdict(s) | {"solve_rate": s.solve_rate} for s in surveys],
-                       "fit": dataclasses.asdict(f), "rounds": [], "advice": None}
+                       "fit": dataclasses.asdict(f), "context": None, "rounds": [], "advice": None}
 
     # 3
     def warm_start(self, model_path: str, sft_path: str, round_: int = 1) -> str:

@@ -40,10 +40,10 @@ def test_a_mix_the_schedule_covers_keeps_the_calibrated_turn_limits():
 def test_a_long_mix_stretches_the_schedule_to_what_its_longest_level_needs():
     s = [LevelSurvey("Short", 10, (2,) * 10), LevelSurvey("Long", 10, (4, 5, 5, 6, 7, 9, 12, 14, 16, 30))]
     f = recipe.fit(s, [3, 5, 8], eval_turns=3, max_turns=8, cap=32)
-    assert f.changed and f.horizon == 16
-    assert f.schedule == (7, 11, 16)  # first stage: the long level's median (7)
-    assert f.eval_turns == 16 and f.max_turns == 16
-    assert any("Long needs 16 turns" in n for n in f.notes)
+    assert f.changed and f.horizon == 14  # the long level's 75th percentile
+    assert f.schedule == (7, 10, 14)  # first stage: the long level's median (7)
+    assert f.eval_turns == 14 and f.max_turns == 14
+    assert any("Long needs 14 turns" in n for n in f.notes)
 
 
 def test_the_fit_never_exceeds_the_cap_and_names_levels_the_oracle_rarely_solves():
@@ -85,3 +85,27 @@ def test_advice_warns_with_what_to_change_and_the_dead_levels_when_no_round_is_l
 def test_advice_on_a_mix_already_solved_says_it_is_too_easy_instead_of_more_sft():
     a = recipe.advice({"a": 1.0, "b": 0.99}, 8, 0.3, rounds_left=3)
     assert a.verdict == "warn" and "already solves" in a.message
+
+
+def test_context_fits_the_horizon_from_the_longest_first_prompt_and_tokens_per_turn():
+    lengths = [(200, 200 + 10 * 100, 10), (180, 180 + 5 * 80, 5)]  # 100 and 80 tokens per turn
+    c = recipe.fit_context(lengths, horizon=24, configured=2048, model_max=4096)
+    # 200 + 24 * 100 * 1.25 = 3200 -> 3328 (multiple of 256)
+    assert c.tokens == 3328 and c.horizon == 24 and c.first_prompt == 200
+    assert "sampling.max_context_tokens 2048 -> 3328" in c.note
+
+
+def test_context_is_never_lowered_below_the_configured_budget():
+    c = recipe.fit_context([(100, 400, 3)], horizon=8, configured=2048, model_max=4096)
+    assert c.tokens == 2048 and c.horizon == 8 and c.note == ""
+
+
+def test_a_horizon_beyond_the_models_positions_is_capped_to_what_fits_and_said():
+    c = recipe.fit_context([(200, 1200, 10)], horizon=40, configured=2048, model_max=4096)
+    assert c.tokens == 4096 and c.horizon == int((4096 - 200) // 125)
+    assert "turn limits capped at" in c.note
+
+
+def test_no_usable_conversation_keeps_the_configured_context():
+    c = recipe.fit_context([(10, 10, 0)], horizon=12, configured=2048, model_max=4096)
+    assert c.tokens == 2048 and c.horizon == 12

@@ -1,0 +1,40 @@
+"""``turnscale run``'s recipe fit on a real level mix: the oracle's survey, the turn limits and
+the context budget measured with the model's own tokenizer (in process, no RL)."""
+
+from __future__ import annotations
+
+import torch
+
+from turnscale import conf
+from turnscale.launch import Launcher
+
+torch.set_num_threads(1)
+
+
+def _prepared(tmp_path, levels: str) -> Launcher:
+    cfg = conf.load(["experiment=run_babyai", f"run.dir={tmp_path / 'run'}", f"model.cache_dir={tmp_path / 'models'}",
+                     f"env.options.levels={levels}", "run.warmup_seeds=0:12", "run.warm_start.episodes=24"])
+    launcher = Launcher(cfg)
+    try:
+        launcher.prepare()
+    finally:
+        launcher.procs.close()
+    return launcher
+
+
+def test_a_long_mix_gets_longer_turn_limits_and_the_context_to_hold_them(tmp_path):
+    launcher = _prepared(tmp_path, "[20,25]")  # PickupAbove, KeyInBox: up to ~10-16 oracle turns
+    cfg, recipe = launcher.cfg, launcher.recipe
+    assert recipe["fit"]["changed"] and max(cfg.schedule.turns) == recipe["fit"]["horizon"] > 8
+    assert cfg.run.eval_turns == max(cfg.schedule.turns) and cfg.run.warm_start.max_turns >= cfg.run.eval_turns
+    c = recipe["context"]
+    assert c["tokens"] == cfg.sampling.max_context_tokens >= 2048
+    assert c["first_prompt"] + c["horizon"] * c["per_turn"] <= c["tokens"] or c["tokens"] == 4096
+    assert [s["level"] for s in recipe["survey"]] == ["BabyAI-PickupAbove-v0", "BabyAI-KeyInBox-v0"]
+
+
+def test_the_default_goto_mix_keeps_the_calibrated_turn_limits_and_context(tmp_path):
+    launcher = _prepared(tmp_path, "[0,1,2,3,4]")
+    assert launcher.cfg.schedule.turns == [3, 5, 8] and launcher.cfg.run.eval_turns == 3
+    assert launcher.cfg.sampling.max_context_tokens == 2048 and launcher.recipe["context"] is None
+    assert not launcher.recipe["fit"]["changed"]
