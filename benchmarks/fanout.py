@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fanout-chunk-kb", type=int, default=128, help="chunk size in KB (default 128)")
     parser.add_argument("--fanout-rate", type=float, default=200.0, help="per-host link cap, Mbit/s (default 200)")
     parser.add_argument("--fanout-rounds", type=int, default=3, help="versions per configuration, first is warm-up (default 3)")
+    parser.add_argument("--fanout-run-kb", type=int, default=1024,
+                        help="bytes of chunks one request asks for, KB (default 1024: the actor's default; at most the "
+                             "chunk size: one chunk per request, as before runs)")
     parser.add_argument("--fanout-switch-ms", type=float, default=0.0,
                         help="pullers' sys.setswitchinterval in ms (default: Python's 5 ms; 0.5 cuts the GIL hand-off "
                              "between a relay's serving thread and its pull, ~10%% at N=16)")
@@ -166,7 +169,8 @@ def puller(a: argparse.Namespace) -> int:
                 relay.begin(key, m, buf.take(m.total_bytes))
                 on_chunk = (lambda k: (lambda i: relay.mark(k, i)))(key)
             rep = PullReport()
-            await pull_stream(learner, m, timeout_s=30, buffer=buf, relays=relays, on_chunk=on_chunk, report=rep)
+            await pull_stream(learner, m, timeout_s=30, buffer=buf, relays=relays, on_chunk=on_chunk, report=rep,
+                              run_bytes=a.run_kb * 1024)
             _write(os.path.join(a.dir, f"done-{v}-{a.index}"), {
                 "t": time.time(), "from_relays": rep.from_relays, "from_learner": rep.from_learner,
                 "fallbacks": rep.fallbacks})
@@ -232,7 +236,7 @@ def measure(c: Any, n: int, k: int | None, a: argparse.Namespace, log_dir: str) 
     procs.append(pub)
     for i in range(n):
         argv = [*base, "puller", "--index", str(i), "--learner", learner_ep, "--dir", d, "--rounds", str(a.fanout_rounds),
-                "--switch-ms", str(a.fanout_switch_ms)]
+                "--switch-ms", str(a.fanout_switch_ms), "--run-kb", str(a.fanout_run_kb)]
         if k is not None:
             argv += ["--relay-bind", relay_eps[i], "--relays", ",".join(relaytree.sources(relay_eps, i, k, 2))]
         procs.append(c.spawn(f"h{i}", argv, env=env, stdout=logf, stderr=logf, cwd=ROOT))
@@ -271,7 +275,8 @@ def run(args: argparse.Namespace) -> list[Result]:
         return []
     ns = [int(x) for x in str(args.fanout_n).split(",") if x]
     ks = [int(x) for x in str(args.fanout_k).split(",") if x]
-    print(f"fanout: {args.fanout_mb:g} MB float32 in {args.fanout_chunk_kb} KB chunks, every host link capped at "
+    print(f"fanout: {args.fanout_mb:g} MB float32 in {args.fanout_chunk_kb} KB chunks, runs of up to {args.fanout_run_kb} KB "
+          f"per request, every host link capped at "
           f"{args.fanout_rate:g} Mbit/s; pullers are pull-only clients (the actor's pull_stream + RelayServer), "
           f"not full actors (16 of those do not fit 2 cores)", flush=True)
     log_dir = tempfile.mkdtemp(prefix="turnscale-fanout-")
@@ -328,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     pu.add_argument("--relay-bind", default="")
     pu.add_argument("--relays", default="")
     pu.add_argument("--switch-ms", type=float, default=0.0)
+    pu.add_argument("--run-kb", type=int, default=1024)
     a = p.parse_args(argv)
     return publisher(a) if a.role == "publisher" else puller(a)
 
