@@ -3,11 +3,14 @@ ROUTER into one preallocated buffer, verify each checksum, return tensors.  The 
 of the weight-transfer protocol (``protocol/weights.py``; the learner's end is
 ``learner/weights.py``).
 
-Wire: request ``[request_id, *WeightChunkRequest]`` on a DEALER; reply
-``[request_id, *WeightChunk]`` (or ``[request_id, *ErrorReply]``).  The 16-byte request id
-encodes ``(version, index, attempt)``, so when a reply's first frame arrives we already
-know which chunk it carries and receive its data frame with ``recv_into`` straight into
-its place in the buffer (no intermediate copy).  Up to ``window`` requests are in flight.
+Wire: request ``[request_id, *WeightChunkRequest]`` (a run of ``count`` chunks) on a
+DEALER; reply ``[request_id, *WeightChunk, *WeightChunk, ...]`` (the run's chunks in order,
+each a header frame and a data frame; a relay may split a run over several replies) or
+``[request_id, *ErrorReply]``.  The 16-byte request id encodes ``(version, first index,
+request number)`` (unique within the pull: two runs from two sources may start at one
+chunk), so when a reply arrives we already know which chunk comes next and receive each
+data frame with ``recv_into`` straight into its place in the buffer (no intermediate copy).
+Up to ``window`` requests are in flight.
 
 Contract:
 
@@ -74,7 +77,7 @@ from turnscale.protocol.transport import AsyncSocket
 if TYPE_CHECKING:
     import torch
 
-_RID = struct.Struct("<qiI")  # version, first chunk index of the run, attempt
+_RID = struct.Struct("<qiI")  # version, first chunk index of the run, request number within the pull
 RUN_BYTES = 1 << 20
 """Default bytes one request asks for (``WeightChunkRequest.count`` = this over the chunk
 size, at least 1): small chunks travel several to a request and a reply, so the per-message
@@ -139,9 +142,9 @@ class _Pull:
         self.learner = len(socks) - 1
         self.todo: deque[int] = deque(range(n))
         self.later: list[tuple[float, int]] = []  # (not before, index): chunks a relay did not hold yet
-        self.inflight: dict[int, tuple[float, int, int, int, int]] = {}  # first index -> (deadline, attempt, source, count, next chunk due)
+        self.inflight: dict[int, tuple[float, int, int, int, int]] = {}  # request id -> (deadline, first chunk, source, count, next chunk due)
         self.attempts = [0] * n  # attempts at the learner (max_retries applies there)
-        self.rid_attempt = [0] * n  # every request's id, whichever source
+        self.requests = 0  # request ids: unique within the pull (two runs may start at one chunk, from two sources)
         self.source = [0] * n  # the source chunk i is asked from next
         self.waited_since: dict[int, float] = {}  # first not_yet from the current relay
         self.backoff = [0.002] * n
@@ -213,9 +216,9 @@ class _Pull:
                 with trio.move_on_at(wake_at):
                     await self._progress.wait()
             now = trio.current_time()
-            for i, (d, _, s, count, nxt) in list(self.inflight.items()):
+            for r, (d, i, s, count, nxt) in list(self.inflight.items()):
                 if d <= now:
-                    del self.inflight[i]
+                    del self.inflight[r]
                     if s != self.learner:  # a relay that does not answer in time is taken for dead
                         self.dead.add(s)
                     for j in range(nxt, i + count):
@@ -250,19 +253,20 @@ class _Pull:
                and self.source[i + count] == s and (s == self.learner or s not in self.dead)):
             self._source_of(self.todo.popleft())
             count += 1
-        self.rid_attempt[i] += 1
-        rid = _RID.pack(self.m.version, i, self.rid_attempt[i])
+        self.requests += 1
+        r = self.requests
+        rid = _RID.pack(self.m.version, i, r)
         frames = [rid, *codec.encode(WeightChunkRequest(version=self.m.version, index=i, count=count))]
         # in flight before the send: the send may yield, and the reply may be handled before it returns
         timeout = self.timeout_s if s == self.learner else self.relay_timeout_s
-        self.inflight[i] = (trio.current_time() + timeout, self.rid_attempt[i], s, count, i)
+        self.inflight[r] = (trio.current_time() + timeout, i, s, count, i)
         if s == self.learner:
             await self.socks[s].send_multipart(frames)
             return
         with trio.move_on_after(min(self.relay_timeout_s, 0.5)) as scope:  # a DEALER to a dead peer blocks on send
             await self.socks[s].send_multipart(frames)
         if scope.cancelled_caught:  # nothing was sent (AsyncSocket: a cancelled send sent nothing)
-            self.inflight.pop(i, None)
+            self.inflight.pop(r, None)
             self.dead.add(s)
             for j in reversed(range(i, i + count)):
                 self._next_source(j)
@@ -287,17 +291,17 @@ class _Pull:
         if len(rid) != _RID.size or not raw.getsockopt(zmq.RCVMORE):
             self._discard_rest(raw)
             return True
-        version, i, attempt = _RID.unpack(rid)
+        version, i, r = _RID.unpack(rid)
         header = raw.recv(zmq.NOBLOCK)
-        run = self.inflight.get(i) if version == self.m.version else None
-        current = run is not None and run[1] == attempt and run[2] == s
+        run = self.inflight.get(r) if version == self.m.version else None
+        current = run is not None and run[1] == i and run[2] == s
         if not current:  # late reply of an earlier attempt, another source or version: drop it
             self._discard_rest(raw)
             return True
         assert run is not None
         count, nxt = run[3], run[4]
         if not raw.getsockopt(zmq.RCVMORE):  # no data frame: an ErrorReply (or inline data)
-            del self.inflight[i]
+            del self.inflight[r]
             self._small_reply(nxt, i + count, header, s)
             return True
         j = nxt
@@ -314,9 +318,9 @@ class _Pull:
                 self._discard_rest(raw)
                 break
         if j < i + count and s != self.learner:  # a relay sends the rest as it verifies it
-            self.inflight[i] = (trio.current_time() + self.relay_timeout_s, attempt, s, count, j)
+            self.inflight[r] = (trio.current_time() + self.relay_timeout_s, i, s, count, j)
             return True
-        del self.inflight[i]
+        del self.inflight[r]
         for k in range(j, i + count):  # the learner sends whole runs: a short one is a bad reply
             self.corrupt[k] = "reply cut short"
             self.todo.append(k)

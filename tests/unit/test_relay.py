@@ -240,3 +240,25 @@ def test_egress_is_counted_per_version_and_reported_when_the_version_is_retired(
         assert pub.take_retired_egress() == []  # each retired version is reported once
         pub.publish(4, state_dict(4))
         assert pub.take_retired_egress() == [(2, m2.total_bytes, m2.total_bytes)]
+
+
+def test_runs_from_a_corrupt_relay_and_their_refetch_from_the_next_relay_lose_no_chunk(publisher):
+    """A corrupt relay streams a run of chunks while each refused chunk is asked of the next
+    relay as a run starting at the same chunk: both runs are in flight at once and every
+    chunk must still arrive (keyed by chunk, the second run hid the first's rest: a hang)."""
+    a, b, c = ReceiveBuffer(), ReceiveBuffer(), ReceiveBuffer()
+    with RelayServer("tcp://127.0.0.1:0") as good, RelayServer("tcp://127.0.0.1:0", corrupt=True) as bad:
+        for v in range(1, 6):
+            m = publisher.publish(v, state_dict(v))
+
+            async def main():
+                async with trio.open_nursery() as n:  # the chain learner -> good -> bad, pulled at once
+                    n.start_soon(lambda: pull_into(publisher.endpoint, m, a, relay=good, key=v % 2))
+                    n.start_soon(lambda: pull_into(publisher.endpoint, m, b, relays=[good.endpoint], relay=bad, key=v % 2))
+                    rep = PullReport()
+                    await pull_into(publisher.endpoint, m, c, relays=[bad.endpoint, good.endpoint], report=rep,
+                                    run_bytes=1 << 20)
+                return rep
+
+            rep = trio.run(main)  # pull_into bounds each pull in time
+            assert stream_ok(c, m) and rep.fallbacks >= 1 and rep.from_relays + rep.from_learner == len(m.chunks)
