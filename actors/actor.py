@@ -390,7 +390,7 @@ class Actor:
             self.weight_path.open_session(self._ctx, self.curve)
             try:
                 with trio.fail_after(max(30.0, self.cfg.request_timeout_s)):
-                    await self._pull(weights, welcome.policy)  # current weights before the first lease
+                    await self._first_pull(weights, sub)  # current weights before the first lease
             except (trio.TooSlowError, TurnscaleError) as exc:
                 raise LearnerLost(f"initial weight pull failed: {exc}") from None
             async with trio.open_nursery() as n:
@@ -598,18 +598,45 @@ class Actor:
 
     async def _announcements(self, sub: AsyncSocket) -> None:
         while True:
+            await self._next_announcement(sub)
+
+    async def _next_announcement(self, sub: AsyncSocket) -> None:
+        """Read one message off the learner's PUB: a newer ``PolicyAnnouncement`` of this
+        learner incarnation becomes ``target``; ``Shutdown`` starts a graceful stop."""
+        try:
+            msg = await sub.recv_msg(expect=(PolicyAnnouncement, Shutdown))
+        except ProtocolError as exc:
+            log.warning("bad announcement: %s", exc)
+            return
+        if isinstance(msg, Shutdown):
+            self.request_stop(f"learner shutdown: {msg.reason}", abandon=True)
+        elif self.welcome is None or msg.incarnation != self.welcome.policy.incarnation:
+            return  # another learner process (restarted): its Welcome decides, not its PUB
+        elif self.target is None or (msg.version, msg.step) > (self.target.version, self.target.step):
+            self.target = msg
+            self._poke()
+
+    async def _first_pull(self, weights: AsyncSocket, sub: AsyncSocket) -> None:
+        """The session's first pull (before its tasks start): the Welcome's version or, when
+        the learner retired it before this actor got to pull it (``unknown_version``: versions
+        were published meanwhile, e.g. while a large fleet joined), the newest one announced
+        on PUB (re-sent every ``announce_every_s``) — without registering again."""
+        while True:
+            policy = self.target
+            assert policy is not None
             try:
-                msg = await sub.recv_msg(expect=(PolicyAnnouncement, Shutdown))
-            except ProtocolError as exc:
-                log.warning("bad announcement: %s", exc)
-                continue
-            if isinstance(msg, Shutdown):
-                self.request_stop(f"learner shutdown: {msg.reason}", abandon=True)
-            elif self.welcome is None or msg.incarnation != self.welcome.policy.incarnation:
-                continue  # another learner process (restarted): its Welcome decides, not its PUB
-            elif self.target is None or (msg.version, msg.step) > (self.target.version, self.target.step):
-                self.target = msg
-                self._poke()
+                await self._pull(weights, policy)
+                return
+            except RemoteError as exc:
+                if exc.code != "unknown_version":
+                    raise
+            self.stats.weight_failures += 1
+            log.info("weights version %d were retired before this actor pulled them; pulling the newest announced",
+                     policy.version)
+            while self.target is policy:  # until a newer announcement (the caller's deadline bounds the wait)
+                if self.stopping:
+                    raise LearnerLost("stopping before the first weights arrived")
+                await self._next_announcement(sub)
 
     async def _weights(self, sock: AsyncSocket) -> None:
         while True:

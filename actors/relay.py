@@ -3,8 +3,12 @@ other actors (the relay tree, ``learner.relay`` and docs/architecture.md "Weight
 
 Same wire as the learner's weights ROUTER (``learner/weights.py``): frames in are
 ``[identity, request_id, *WeightChunkRequest]``, frames out ``[identity, request_id,
-*WeightChunk]`` (data its own frame) or ``[identity, request_id, *ErrorReply]``.  A
-chunk this relay does not hold (yet) is answered ``ErrorReply(code="not_yet",
+*WeightChunk, ...]`` (each chunk's data its own frame: the run's first chunk and the verified
+ones after it, ``WeightChunkRequest.count``) or ``[identity, request_id, *ErrorReply]``.
+One request may get several replies: each carries the run's chunks verified since the last
+one (at least one), in order, until the run is complete; so a pipelined child asks once
+per run, and a child that lags gets several chunks per message.  A run whose next chunk
+this relay does not hold (yet) is answered ``ErrorReply(code="not_yet",
 retryable=True)`` after holding the request up to ``hold_s`` (answered the moment the
 chunk is verified, so a pipelined child is one chunk behind its parent without polling):
 its own pull may still be on the way, so the asker retries a little later, and after its patience runs out asks its next source (ultimately the learner).  A
@@ -43,7 +47,8 @@ import numpy as np
 import zmq
 
 from turnscale.protocol import codec
-from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from turnscale.protocol.messages import ErrorReply, WeightChunkRequest, WeightManifest
+from turnscale.protocol.weights import chunk_reply_frames
 from turnscale.protocol.curve import AllowedKeys, ZapAuthenticator
 from turnscale.protocol.router import read_request, serve_router
 from turnscale.protocol.transport import CurveKeys, SocketLimits, configure
@@ -81,7 +86,7 @@ class RelayServer:
         """A request for a chunk not verified yet is held this long (answered as soon as it is)
         before ``not_yet``: a pipelined child gets each chunk one hop after its parent does,
         without polling."""
-        self._pending: list[tuple[float, list, WeightChunkRequest]] = []  # (deadline, prefix, request): serving thread only
+        self._pending: list[tuple[float, list, WeightChunkRequest, int]] = []  # (deadline, prefix, request, next chunk): serving thread only
         self._wanted = False  # some request is held: mark() wakes the serving thread
         wake = f"inproc://relay-wake-{id(self):x}"
         self._wake_rx = self._ctx.socket(zmq.PULL)  # used by the serving thread only
@@ -173,15 +178,15 @@ class RelayServer:
         """Milliseconds to the nearest held request's deadline (None: none held)."""
         if not self._pending:
             return None
-        return int((min(d for d, _, _ in self._pending) - time.monotonic()) * 1000) + 1
+        return int((min(d for d, _, _, _ in self._pending) - time.monotonic()) * 1000) + 1
 
     def _retry_pending(self) -> None:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
         now = time.monotonic()
-        for deadline, prefix, req in pending:
-            self._reply(prefix, req, hold=deadline > now, deadline=deadline)
+        for deadline, prefix, req, nxt in pending:
+            self._reply(prefix, req, hold=deadline > now, deadline=deadline, nxt=nxt)
         with self._lock:
             self._wanted = bool(self._pending)
 
@@ -189,27 +194,31 @@ class RelayServer:
         got = read_request(self._sock, frames, WeightChunkRequest)
         if got is not None:
             prefix, req = got
-            self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s)
+            self._reply(prefix, req, hold=self.hold_s > 0, deadline=time.monotonic() + self.hold_s, nxt=req.index)
 
-    def _reply(self, prefix: list, req: WeightChunkRequest, *, hold: bool, deadline: float) -> None:
-        """Send the chunk if held and verified; else hold the request (until ``deadline``),
-        or answer ``not_yet`` / ``unknown_version``."""
+    def _reply(self, prefix: list, req: WeightChunkRequest, *, hold: bool, deadline: float, nxt: int) -> None:
+        """Send the run's verified chunks from ``nxt`` on, if ``nxt`` is verified, and keep
+        the rest of the run pending (each further reply carries what was verified since);
+        else hold the request (until ``deadline``), or answer ``not_yet`` / ``unknown_version``
+        for the chunks from ``nxt`` on."""
         with self._lock:  # held through the send: a buffer is never re-registered mid-send
             for h in self._held.values():
-                if h.manifest.version == req.version and 0 <= req.index < len(h.verified) and h.verified[req.index]:
-                    c = h.manifest.chunks[req.index]
-                    data = h.buf[c.offset:c.offset + c.nbytes]
-                    if self.corrupt and c.nbytes:
-                        data = data.copy()
-                        data[0] ^= 0xFF
-                    msg = WeightChunk(version=req.version, index=c.index, checksum=c.checksum, data=data)
-                    self._sock.send_multipart([*prefix, *codec.encode(msg, out_of_band_bytes=0)], copy=True)
-                    self.served_chunks += 1
-                    self.served_bytes += c.nbytes
+                if h.manifest.version == req.version and 0 <= nxt < len(h.verified) and h.verified[nxt]:
+                    stop = min(req.index + req.count, len(h.verified))
+                    end = nxt + 1
+                    while end < stop and h.verified[end]:
+                        end += 1
+                    frames = chunk_reply_frames(h.manifest, h.buf, nxt, end, corrupt=self.corrupt)
+                    self._sock.send_multipart([*prefix, *frames], copy=True)
+                    self.served_chunks += end - nxt
+                    self.served_bytes += sum(c.nbytes for c in h.manifest.chunks[nxt:end])
+                    if end < stop:  # the rest of the run follows as it is verified
+                        self._pending.append((time.monotonic() + self.hold_s, prefix, req, end))
+                        self._wanted = True
                     return
             gone = req.version < self.newest and all(h.manifest.version != req.version for h in self._held.values())
             if hold and not gone:
-                self._pending.append((deadline, prefix, req))
+                self._pending.append((deadline, prefix, req, nxt))
                 self._wanted = True
                 return
             self.not_yet += not gone
@@ -218,5 +227,5 @@ class RelayServer:
                              f"will (it has moved on to {self.newest}); ask the next source")
         else:
             err = ErrorReply(code="not_yet", retryable=True,
-                             message=f"this relay does not hold chunk {req.index} of version {req.version} (yet)")
+                             message=f"this relay does not hold chunk {nxt} of version {req.version} (yet)")
         self._sock.send_multipart([*prefix, *codec.encode(err)])

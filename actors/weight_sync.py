@@ -3,11 +3,14 @@ ROUTER into one preallocated buffer, verify each checksum, return tensors.  The 
 of the weight-transfer protocol (``protocol/weights.py``; the learner's end is
 ``learner/weights.py``).
 
-Wire: request ``[request_id, *WeightChunkRequest]`` on a DEALER; reply
-``[request_id, *WeightChunk]`` (or ``[request_id, *ErrorReply]``).  The 16-byte request id
-encodes ``(version, index, attempt)``, so when a reply's first frame arrives we already
-know which chunk it carries and receive its data frame with ``recv_into`` straight into
-its place in the buffer (no intermediate copy).  Up to ``window`` requests are in flight.
+Wire: request ``[request_id, *WeightChunkRequest]`` (a run of ``count`` chunks) on a
+DEALER; reply ``[request_id, *WeightChunk, *WeightChunk, ...]`` (the run's chunks in order,
+each a header frame and a data frame; a relay may split a run over several replies) or
+``[request_id, *ErrorReply]``.  The 16-byte request id encodes ``(version, first index,
+request number)`` (unique within the pull: two runs from two sources may start at one
+chunk), so when a reply arrives we already know which chunk comes next and receive each
+data frame with ``recv_into`` straight into its place in the buffer (no intermediate copy).
+Up to ``window`` requests are in flight.
 
 Contract:
 
@@ -67,14 +70,18 @@ import zmq
 from turnscale.protocol import checksums, codec
 from turnscale.protocol import weights as weights_protocol
 from turnscale.protocol.errors import ProtocolError, RemoteError, TurnscaleError
-from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from turnscale.protocol.messages import MAX_CHUNKS_PER_REQUEST, ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
 from turnscale.protocol.shmweights import Hold, SegmentChanged, SegmentReader, SegmentRef, SegmentUnavailable
 from turnscale.protocol.transport import AsyncSocket
 
 if TYPE_CHECKING:
     import torch
 
-_RID = struct.Struct("<qiI")  # version, chunk index, attempt
+_RID = struct.Struct("<qiI")  # version, first chunk index of the run, request number within the pull
+RUN_BYTES = 1 << 20
+"""Default bytes one request asks for (``WeightChunkRequest.count`` = this over the chunk
+size, at least 1): small chunks travel several to a request and a reply, so the per-message
+CPU of both ends is paid once per run; chunks of this size or more go one by one."""
 
 
 class WeightSyncError(TurnscaleError):
@@ -120,8 +127,9 @@ class _Pull:
 
     def __init__(self, socks: list[AsyncSocket], manifest: WeightManifest, buf: np.ndarray, timeout_s: float,
                  window: int, max_retries: int, *, relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
-                 on_chunk: Callable[[int], None] | None = None) -> None:
+                 on_chunk: Callable[[int], None] | None = None, run: int = 1) -> None:
         self.socks = socks
+        self.run_chunks = run
         self.m = manifest
         self.buf = buf
         self.timeout_s = timeout_s
@@ -134,9 +142,9 @@ class _Pull:
         self.learner = len(socks) - 1
         self.todo: deque[int] = deque(range(n))
         self.later: list[tuple[float, int]] = []  # (not before, index): chunks a relay did not hold yet
-        self.inflight: dict[int, tuple[float, int, int]] = {}  # index -> (deadline, attempt, source)
+        self.inflight: dict[int, tuple[float, int, int, int, int]] = {}  # request id -> (deadline, first chunk, source, count, next chunk due)
         self.attempts = [0] * n  # attempts at the learner (max_retries applies there)
-        self.rid_attempt = [0] * n  # every request's id, whichever source
+        self.requests = 0  # request ids: unique within the pull (two runs may start at one chunk, from two sources)
         self.source = [0] * n  # the source chunk i is asked from next
         self.waited_since: dict[int, float] = {}  # first not_yet from the current relay
         self.backoff = [0.002] * n
@@ -203,26 +211,29 @@ class _Pull:
                 self.todo.extend(i for _, i in due)
             while self.todo and len(self.inflight) < self.window:
                 await self._request(self.todo.popleft())
-            wake_at = min([d for d, _, _ in self.inflight.values()] + [t for t, _ in self.later] + [now + 1.0])
+            wake_at = min([d for d, _, _, _, _ in self.inflight.values()] + [t for t, _ in self.later] + [now + 1.0])
             if self.done < n and self.error is None:
                 with trio.move_on_at(wake_at):
                     await self._progress.wait()
             now = trio.current_time()
-            for i, (d, _, s) in list(self.inflight.items()):
+            for r, (d, i, s, count, nxt) in list(self.inflight.items()):
                 if d <= now:
-                    del self.inflight[i]
+                    del self.inflight[r]
                     if s != self.learner:  # a relay that does not answer in time is taken for dead
                         self.dead.add(s)
-                        self._next_source(i)
-                    self.todo.append(i)
+                    for j in range(nxt, i + count):
+                        if s != self.learner:
+                            self._next_source(j)
+                        self.todo.append(j)
         if self.error is not None:
             raise self.error
 
-    async def _request(self, i: int) -> None:
-        s = self.source[i]
-        while s < self.learner and s in self.dead:
+    def _source_of(self, i: int) -> int:
+        """Chunk ``i``'s source now (a dead relay is skipped); at the learner, counts the
+        attempt and raises once ``max_retries`` is spent."""
+        while self.source[i] < self.learner and self.source[i] in self.dead:
             self._next_source(i)
-            s = self.source[i]
+        s = self.source[i]
         if s == self.learner:
             if self.attempts[i] > self.max_retries:
                 if i in self.corrupt:
@@ -231,22 +242,35 @@ class _Pull:
                 raise WeightSyncError(f"weights v{self.m.version} chunk {i}: no reply after {self.attempts[i]} attempts "
                                       f"of {self.timeout_s:.1f}s; is the learner's weights endpoint reachable?")
             self.attempts[i] += 1
-        self.rid_attempt[i] += 1
-        rid = _RID.pack(self.m.version, i, self.rid_attempt[i])
-        frames = [rid, *codec.encode(WeightChunkRequest(version=self.m.version, index=i))]
+        return s
+
+    async def _request(self, i: int) -> None:
+        """Ask chunk ``i``'s source for the run ``i, i + 1, ...``: the next chunks in ``todo``
+        that follow on and have the same source, up to ``run_chunks``."""
+        s = self._source_of(i)
+        count = 1
+        while (count < self.run_chunks and self.todo and self.todo[0] == i + count
+               and self.source[i + count] == s and (s == self.learner or s not in self.dead)):
+            self._source_of(self.todo.popleft())
+            count += 1
+        self.requests += 1
+        r = self.requests
+        rid = _RID.pack(self.m.version, i, r)
+        frames = [rid, *codec.encode(WeightChunkRequest(version=self.m.version, index=i, count=count))]
         # in flight before the send: the send may yield, and the reply may be handled before it returns
         timeout = self.timeout_s if s == self.learner else self.relay_timeout_s
-        self.inflight[i] = (trio.current_time() + timeout, self.rid_attempt[i], s)
+        self.inflight[r] = (trio.current_time() + timeout, i, s, count, i)
         if s == self.learner:
             await self.socks[s].send_multipart(frames)
             return
         with trio.move_on_after(min(self.relay_timeout_s, 0.5)) as scope:  # a DEALER to a dead peer blocks on send
             await self.socks[s].send_multipart(frames)
         if scope.cancelled_caught:  # nothing was sent (AsyncSocket: a cancelled send sent nothing)
-            self.inflight.pop(i, None)
+            self.inflight.pop(r, None)
             self.dead.add(s)
-            self._next_source(i)
-            self.todo.appendleft(i)
+            for j in reversed(range(i, i + count)):
+                self._next_source(j)
+                self.todo.appendleft(j)
 
     def _discard_rest(self, raw: zmq.Socket) -> None:
         while raw.getsockopt(zmq.RCVMORE):
@@ -255,7 +279,10 @@ class _Pull:
     def _recv_one(self, s: int) -> bool:
         """Handle one reply from source ``s`` if one is queued; False when none is.  Never
         blocks: ZeroMQ delivers multipart messages atomically, so once the first frame is
-        here, all are."""
+        here, all are.  A reply carries chunks of a run in order from the first one not yet
+        received (each a header frame and a data frame, received straight into its place):
+        the learner's all of them, a relay's those it has verified, the rest following in
+        later replies to the same request (the run stays in flight, its deadline renewed)."""
         raw = self.socks[s].sock
         try:
             rid = raw.recv(zmq.NOBLOCK)
@@ -264,43 +291,66 @@ class _Pull:
         if len(rid) != _RID.size or not raw.getsockopt(zmq.RCVMORE):
             self._discard_rest(raw)
             return True
-        version, i, attempt = _RID.unpack(rid)
+        version, i, r = _RID.unpack(rid)
         header = raw.recv(zmq.NOBLOCK)
-        current = (version == self.m.version and i in self.inflight and self.inflight[i][1] == attempt
-                   and self.inflight[i][2] == s)
-        if not raw.getsockopt(zmq.RCVMORE):  # no data frame: an ErrorReply (or inline data)
-            if current:
-                try:
-                    msg = codec.decode([header], expect=(ErrorReply, WeightChunk))
-                except ProtocolError as exc:
-                    if s == self.learner:
-                        raise WeightSyncError(f"weights v{self.m.version} chunk {i}: undecodable reply ({exc})") from None
-                    self._relay_failed(i, f"undecodable reply ({exc})")
-                    return True
-                if isinstance(msg, ErrorReply):
-                    if s == self.learner:
-                        raise RemoteError(msg.code, msg.message, msg.retryable)
-                    self._relay_refused(i, msg)
-                    return True
-                c = self.m.chunks[i]
-                view = self.buf[c.offset:c.offset + c.nbytes]
-                if msg.data.nbytes == c.nbytes:
-                    view[:] = msg.data
-                self._verify(i, version, [header], view, msg.data.nbytes, False, s)
-            return True
+        run = self.inflight.get(r) if version == self.m.version else None
+        current = run is not None and run[1] == i and run[2] == s
         if not current:  # late reply of an earlier attempt, another source or version: drop it
             self._discard_rest(raw)
             return True
-        c = self.m.chunks[i]
-        view = self.buf[c.offset:c.offset + c.nbytes]
-        got = raw.recv_into(view, flags=zmq.NOBLOCK)
-        extra = raw.getsockopt(zmq.RCVMORE)
-        self._discard_rest(raw)
-        self._verify(i, version, [header, memoryview(view)], view, got, bool(extra), s)
+        assert run is not None
+        count, nxt = run[3], run[4]
+        if not raw.getsockopt(zmq.RCVMORE):  # no data frame: an ErrorReply (or inline data)
+            del self.inflight[r]
+            self._small_reply(nxt, i + count, header, s)
+            return True
+        j = nxt
+        while True:
+            c = self.m.chunks[j]
+            view = self.buf[c.offset:c.offset + c.nbytes]
+            got = raw.recv_into(view, flags=zmq.NOBLOCK)
+            self._verify(j, version, [header, memoryview(view)], view, got, False, s)
+            j += 1
+            if not raw.getsockopt(zmq.RCVMORE):
+                break
+            header = raw.recv(zmq.NOBLOCK)
+            if j == i + count or not raw.getsockopt(zmq.RCVMORE):  # more than the run, or a header without data
+                self._discard_rest(raw)
+                break
+        if j < i + count and s != self.learner:  # a relay sends the rest as it verifies it
+            self.inflight[r] = (trio.current_time() + self.relay_timeout_s, i, s, count, j)
+            return True
+        del self.inflight[r]
+        for k in range(j, i + count):  # the learner sends whole runs: a short one is a bad reply
+            self.corrupt[k] = "reply cut short"
+            self.todo.append(k)
         return True
 
+    def _small_reply(self, i: int, end: int, header: Any, s: int) -> None:
+        """A reply of one frame for chunks ``i .. end - 1`` of a run: an ``ErrorReply`` for
+        all of them, or chunk ``i`` with its data inline (the others are asked for again)."""
+        try:
+            msg = codec.decode([header], expect=(ErrorReply, WeightChunk))
+        except ProtocolError as exc:
+            if s == self.learner:
+                raise WeightSyncError(f"weights v{self.m.version} chunk {i}: undecodable reply ({exc})") from None
+            for j in range(i, end):
+                self._relay_failed(j, f"undecodable reply ({exc})")
+            return
+        if isinstance(msg, ErrorReply):
+            if s == self.learner:
+                raise RemoteError(msg.code, msg.message, msg.retryable)
+            for j in range(i, end):
+                self._relay_refused(j, msg)
+            return
+        c = self.m.chunks[i]
+        view = self.buf[c.offset:c.offset + c.nbytes]
+        if msg.data.nbytes == c.nbytes:
+            view[:] = msg.data
+        self._verify(i, self.m.version, [header], view, msg.data.nbytes, False, s)
+        self.todo.extendleft(reversed(range(i + 1, end)))
+
     def _relay_failed(self, i: int, why: str) -> None:
-        del self.inflight[i]
         self.corrupt[i] = why
         self._next_source(i)
         self.todo.append(i)
@@ -308,7 +358,6 @@ class _Pull:
     def _relay_refused(self, i: int, err: ErrorReply) -> None:
         """A relay does not hold chunk ``i`` (yet): ask it again a little later, within
         ``relay_patience_s``; any other refusal moves the chunk to the next source."""
-        del self.inflight[i]
         now = trio.current_time()
         if err.code == "not_yet" and now - self.waited_since.setdefault(i, now) < self.relay_patience_s:
             self.later.append((now + self.backoff[i], i))
@@ -337,11 +386,9 @@ class _Pull:
             if s != self.learner:
                 self._relay_failed(i, problem)
                 return
-            del self.inflight[i]
             self.corrupt[i] = problem
             self.todo.append(i)
         else:
-            del self.inflight[i]
             self.corrupt.pop(i, None)
             self.done += 1
             self.from_source[s] += 1
@@ -435,7 +482,7 @@ async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s
                        max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
                        relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
                        on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
-                       shm: SegmentRef | None = None) -> dict[str, torch.Tensor]:
+                       shm: SegmentRef | None = None, run_bytes: int = RUN_BYTES) -> dict[str, torch.Tensor]:
     """Pull every chunk of ``manifest`` (see the module docstring); returns name -> tensor
     in the manifest's dtypes and shapes.  ``shm`` (same host) is read first, then
     ``relays``, in order; ``sock`` (the learner's weights endpoint) last.  ``on_chunk(i)``
@@ -443,7 +490,7 @@ async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s
     from then on)."""
     buf = await pull_stream(sock, manifest, timeout_s=timeout_s, window=window, max_retries=max_retries, buffer=buffer,
                             relays=relays, relay_timeout_s=relay_timeout_s, relay_patience_s=relay_patience_s,
-                            on_chunk=on_chunk, report=report, shm=shm)
+                            on_chunk=on_chunk, report=report, shm=shm, run_bytes=run_bytes)
     return tensors_from_buffer(buf, manifest, copy=copy)
 
 
@@ -451,9 +498,10 @@ async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s:
                       max_retries: int = 3, buffer: ReceiveBuffer | None = None, relays: Sequence[AsyncSocket] = (),
                       relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
                       on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
-                      shm: SegmentRef | None = None) -> np.ndarray:
+                      shm: SegmentRef | None = None, run_bytes: int = RUN_BYTES) -> np.ndarray:
     """``pull_weights`` without the tensors (no torch): the verified stream bytes, a view
-    of ``buffer``."""
+    of ``buffer``.  Each request asks for a run of up to ``run_bytes`` of chunks (at least
+    one chunk, at most ``MAX_CHUNKS_PER_REQUEST``)."""
     if window < 1 or max_retries < 0 or timeout_s <= 0:
         raise ValueError("window >= 1, max_retries >= 0 and timeout_s > 0 are required")
     buffer = buffer or ReceiveBuffer()
@@ -464,8 +512,9 @@ async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s:
             view, buffer.hold = got
             return view
     if manifest.chunks:
+        run = min(max(run_bytes // max(manifest.chunks[0].nbytes, 1), 1), MAX_CHUNKS_PER_REQUEST)
         pull = _Pull([*relays, sock], manifest, buf, timeout_s, window, max_retries, relay_timeout_s=relay_timeout_s,
-                     relay_patience_s=relay_patience_s, on_chunk=on_chunk)
+                     relay_patience_s=relay_patience_s, on_chunk=on_chunk, run=run)
         try:
             await pull.run()
         finally:

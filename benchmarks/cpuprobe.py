@@ -86,8 +86,10 @@ class CpuSample:
     """Busy CPU seconds of the whole machine."""
 
 
-def sample(roles: Mapping[str, Sequence[int]]) -> CpuSample:
-    kids = _children()
+def sample(roles: Mapping[str, Sequence[int]], *, descendants: bool = True) -> CpuSample:
+    """``descendants=False``: only the listed processes (no walk over every ``/proc`` entry,
+    ~100x cheaper: for processes known to start none, sampled at short notice)."""
+    kids = _children() if descendants else {}
     return CpuSample(time.time(), {r: tree_cpu_s(pids, kids) for r, pids in roles.items()}, machine_busy_s())
 
 

@@ -24,6 +24,12 @@ Figures (ratios higher-is-better, as every benchmark here):
 - ``fanout_relay_kK_vs_star_nN``: relay time against the star's at the same N;
 - ``fanout_egress_kK_nN``: learner egress per version, in copies of the weights, against
   the bound of 2 copies (target); the star's is N.
+- ``fanout_cpu_kK_nN`` / ``fanout_cpu_star_nN``: CPU seconds per version used by all N
+  pullers together (``/proc/<pid>/stat`` user + system, every thread, ``benchmarks/cpuprobe.py``)
+  against the CPU seconds the machine had over the same wall time (cores x seconds, from the
+  end of the previous version to the end of this one): a ratio near 1 (or below) means
+  the pullers are CPU-bound, not link-bound.  The printed line also gives the publisher's
+  CPU and the whole machine's (other sessions' included).
 
 Skips (no figures, the reason printed) when the cluster is unavailable (not root, no ``ip``).
 """
@@ -53,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fanout-chunk-kb", type=int, default=128, help="chunk size in KB (default 128)")
     parser.add_argument("--fanout-rate", type=float, default=200.0, help="per-host link cap, Mbit/s (default 200)")
     parser.add_argument("--fanout-rounds", type=int, default=3, help="versions per configuration, first is warm-up (default 3)")
+    parser.add_argument("--fanout-run-kb", type=int, default=1024,
+                        help="bytes of chunks one request asks for, KB (default 1024: the actor's default; at most the "
+                             "chunk size: one chunk per request, as before runs)")
     parser.add_argument("--fanout-switch-ms", type=float, default=0.0,
                         help="pullers' sys.setswitchinterval in ms (default: Python's 5 ms; 0.5 cuts the GIL hand-off "
                              "between a relay's serving thread and its pull, ~10%% at N=16)")
@@ -160,7 +169,8 @@ def puller(a: argparse.Namespace) -> int:
                 relay.begin(key, m, buf.take(m.total_bytes))
                 on_chunk = (lambda k: (lambda i: relay.mark(k, i)))(key)
             rep = PullReport()
-            await pull_stream(learner, m, timeout_s=30, buffer=buf, relays=relays, on_chunk=on_chunk, report=rep)
+            await pull_stream(learner, m, timeout_s=30, buffer=buf, relays=relays, on_chunk=on_chunk, report=rep,
+                              run_bytes=a.run_kb * 1024)
             _write(os.path.join(a.dir, f"done-{v}-{a.index}"), {
                 "t": time.time(), "from_relays": rep.from_relays, "from_learner": rep.from_learner,
                 "fallbacks": rep.fallbacks})
@@ -177,6 +187,36 @@ def puller(a: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------- driver
+
+def round_cpu(before: Any, after: Any, cores: int) -> dict:
+    """CPU of one version between two ``cpuprobe.CpuSample``s (roles ``pullers`` and
+    ``publisher``): seconds used by each, by the whole machine, and ``available`` (cores x
+    wall seconds between the samples)."""
+    wall = max(after.t - before.t, 0.0)
+    used = {r: max(after.roles.get(r, 0.0) - before.roles.get(r, 0.0), 0.0) for r in ("pullers", "publisher")}
+    return {**used, "machine": max(after.machine - before.machine, 0.0), "wall": wall, "available": cores * wall}
+
+
+def _watch_rounds(d: str, procs: list, rounds: int, deadline: float, what: str) -> list[dict]:
+    """Wait for every round of the run in ``d``, sampling the pullers' and publisher's CPU at
+    each round's end (the first sample when every puller is ready); per-round ``round_cpu``."""
+    from turnscale.benchmarks import cpuprobe
+
+    roles = {"publisher": [procs[0].pid], "pullers": [p.pid for p in procs[1:]]}
+    cores = len(os.sched_getaffinity(0))
+    marks = [os.path.join(d, f"ready-{i}") for i in range(len(procs) - 1)]
+    marks = [marks] + [[os.path.join(d, f"round-{v}")] for v in range(1, rounds + 1)]
+    samples = []
+    for paths in marks:
+        while not all(os.path.exists(p) for p in paths):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not done in time; see {d}/log")
+            if any(p.poll() not in (None, 0) for p in procs):
+                break  # a process failed: the caller reports it
+            time.sleep(0.002)
+        samples.append(cpuprobe.sample(roles, descendants=False))  # nsenter execs: the pids are the pullers
+    return [round_cpu(a, b, cores) for a, b in zip(samples, samples[1:])]
+
 
 def measure(c: Any, n: int, k: int | None, a: argparse.Namespace, log_dir: str) -> dict:
     """One configuration: a publisher on host L and n pullers; k None is the star.  Returns
@@ -196,12 +236,13 @@ def measure(c: Any, n: int, k: int | None, a: argparse.Namespace, log_dir: str) 
     procs.append(pub)
     for i in range(n):
         argv = [*base, "puller", "--index", str(i), "--learner", learner_ep, "--dir", d, "--rounds", str(a.fanout_rounds),
-                "--switch-ms", str(a.fanout_switch_ms)]
+                "--switch-ms", str(a.fanout_switch_ms), "--run-kb", str(a.fanout_run_kb)]
         if k is not None:
             argv += ["--relay-bind", relay_eps[i], "--relays", ",".join(relaytree.sources(relay_eps, i, k, 2))]
         procs.append(c.spawn(f"h{i}", argv, env=env, stdout=logf, stderr=logf, cwd=ROOT))
     try:
         deadline = time.monotonic() + 60 + 30 * a.fanout_rounds * max(1, n * a.fanout_mb / 8)
+        cpu = _watch_rounds(d, procs, a.fanout_rounds, deadline, f"fanout n={n} k={k}")
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fanout n={n} k={k}: not done in time; see {d}/log")
@@ -216,7 +257,9 @@ def measure(c: Any, n: int, k: int | None, a: argparse.Namespace, log_dir: str) 
         logf.close()
     rounds = [_wait_file(os.path.join(d, f"round-{v}"), 1) for v in range(1, a.fanout_rounds + 1)]
     timed = rounds[1:] or rounds
+    cpu_timed = cpu[1:] or cpu
     return {"s": statistics.median(r["t_all"] - r["t_pub"] for r in timed),
+            **{f"cpu_{f}": statistics.median(c[f] for c in cpu_timed) for f in cpu_timed[0]},
             "egress": statistics.median(r["egress_bytes"] / r["total_bytes"] for r in timed),
             "from_relays": sum(p["from_relays"] for r in timed for p in r["pullers"]),
             "from_learner": sum(p["from_learner"] for r in timed for p in r["pullers"]),
@@ -232,7 +275,8 @@ def run(args: argparse.Namespace) -> list[Result]:
         return []
     ns = [int(x) for x in str(args.fanout_n).split(",") if x]
     ks = [int(x) for x in str(args.fanout_k).split(",") if x]
-    print(f"fanout: {args.fanout_mb:g} MB float32 in {args.fanout_chunk_kb} KB chunks, every host link capped at "
+    print(f"fanout: {args.fanout_mb:g} MB float32 in {args.fanout_chunk_kb} KB chunks, runs of up to {args.fanout_run_kb} KB "
+          f"per request, every host link capped at "
           f"{args.fanout_rate:g} Mbit/s; pullers are pull-only clients (the actor's pull_stream + RelayServer), "
           f"not full actors (16 of those do not fit 2 cores)", flush=True)
     log_dir = tempfile.mkdtemp(prefix="turnscale-fanout-")
@@ -243,7 +287,9 @@ def run(args: argparse.Namespace) -> list[Result]:
                 got[(k, n)] = m = measure(c, n, k, args, log_dir)
                 name = "star" if k is None else f"relay k={k}"
                 print(f"  {name:<11} N={n:<3} {m['s']:.3f}s  egress {m['egress']:.2f} copies  chunks from relays "
-                      f"{m['from_relays']}, from learner {m['from_learner']}, fallbacks {m['fallbacks']}", flush=True)
+                      f"{m['from_relays']}, from learner {m['from_learner']}, fallbacks {m['fallbacks']}; CPU s/version: "
+                      f"pullers {m['cpu_pullers']:.2f}, publisher {m['cpu_publisher']:.2f}, machine {m['cpu_machine']:.2f} "
+                      f"of {m['cpu_available']:.2f} available", flush=True)
     n0, results = ns[0], []
     one = args.fanout_mb * 8 / args.fanout_rate
     print(f"fanout: ideal one pull = {one:.3f}s at the link cap; star ideal ~N x that, relay ~1x", flush=True)
@@ -262,6 +308,10 @@ def run(args: argparse.Namespace) -> list[Result]:
                                   target=1.0, lower_is_better=True))
         results.append(result(f"fanout_egress_star_n{n}", star["egress"], "copies/version", "bound: 2 copies", 2.0,
                               lower_is_better=True))
+        for k in [None, *ks]:
+            m = got[(k, n)]
+            results.append(result(f"fanout_cpu_{'star' if k is None else f'k{k}'}_n{n}", m["cpu_pullers"], "CPU s/version",
+                                  "CPU s available over the same wall time", m["cpu_available"], lower_is_better=True))
     return results
 
 
@@ -283,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     pu.add_argument("--relay-bind", default="")
     pu.add_argument("--relays", default="")
     pu.add_argument("--switch-ms", type=float, default=0.0)
+    pu.add_argument("--run-kb", type=int, default=1024)
     a = p.parse_args(argv)
     return publisher(a) if a.role == "publisher" else puller(a)
 

@@ -12,8 +12,8 @@ at a third of memcpy speed on the loaded 2-core box and dominated a pull) and re
 
 The serving thread answers ``WeightChunkRequest`` on the ROUTER: frames in are
 ``[identity, request_id, *WeightChunkRequest]`` (``protocol.transport.split_router_frames``),
-frames out are ``[identity, request_id, *WeightChunk]`` with the chunk bytes sent
-zero-copy from the version's buffer.  Control traffic never waits on it: it is a separate
+frames out are ``[identity, request_id, *WeightChunk, ...]`` (the request's run of chunks,
+``WeightChunkRequest.count``) with the chunk bytes sent zero-copy from the version's buffer.  Control traffic never waits on it: it is a separate
 socket in a separate thread, and ``publish`` only takes a lock to swap the version table.
 
 Same host (``shm=True``, ``learner.weights_shm``): every version's buffer is a shared-memory
@@ -47,11 +47,11 @@ import zmq
 
 from turnscale.protocol import checksums, codec
 from turnscale.protocol.dtypes import torch_dtype
-from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest, WeightManifest
+from turnscale.protocol.messages import ErrorReply, WeightChunkRequest, WeightManifest
 from turnscale.protocol.router import read_request, serve_router
 from turnscale.protocol.shmweights import Segment, SegmentRef
 from turnscale.protocol.transport import CurveKeys, SocketLimits, configure
-from turnscale.protocol.weights import build_manifest, layout, write_and_chunk
+from turnscale.protocol.weights import build_manifest, chunk_reply_frames, layout, write_and_chunk
 
 log = logging.getLogger(__name__)
 
@@ -241,14 +241,14 @@ class WeightPublisher:
                 err = ErrorReply(code="unknown_chunk",
                                  message=f"version {req.version} has chunks 0..{len(ver.manifest.chunks) - 1}, not {req.index}")
             else:
-                c = ver.manifest.chunks[req.index]
-                msg = WeightChunk(version=req.version, index=c.index, checksum=c.checksum, data=ver.buf[c.offset:c.offset + c.nbytes])
-                frames = codec.encode(msg, out_of_band_bytes=0)  # data always its own frame: the actor recv_into's it
+                end = min(req.index + req.count, len(ver.manifest.chunks))
+                frames = chunk_reply_frames(ver.manifest, ver.buf, req.index, end)
                 tracker = self._sock.send_multipart([*prefix, *frames], copy=False, track=True)
                 ver.trackers[:] = [t for t in ver.trackers if not t.done]
                 ver.trackers.append(tracker)
-                self.served_chunks += 1
-                self.served_bytes += c.nbytes
-                ver.served_bytes += c.nbytes
+                nbytes = sum(c.nbytes for c in ver.manifest.chunks[req.index:end])
+                self.served_chunks += end - req.index
+                self.served_bytes += nbytes
+                ver.served_bytes += nbytes
                 return
         self._sock.send_multipart([*prefix, *codec.encode(err)])

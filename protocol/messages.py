@@ -44,7 +44,7 @@ import numpy as np
 from turnscale.protocol.dtypes import WIRE_DTYPES
 from turnscale.protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Bumped on every incompatible change; a message with another version is rejected.
 (3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
 read them; a lease carries its turn limit and version.  4: weight fan-out through actor
@@ -52,7 +52,11 @@ relays: ``Hello.relay_endpoint``, ``Welcome.weight_sources``, ``HeartbeatAck.wei
 packed, several to a data frame: the array ext is ``[dtype, shape, frame, offset]``;
 ``PolicyAnnouncement.shm_path`` / ``shm_token``: same-host weights in shared memory.
 6: relays authenticate their clients: ``Welcome``/``HeartbeatAck.relay_clients``.
-7: actor pools and elastic scaling: ``Hello.pool``, ``ControlRequest``, ``LearnerStatus``.)"""
+7: actor pools and elastic scaling: ``Hello.pool``, ``ControlRequest``, ``LearnerStatus``.
+8: ``WeightChunkRequest.count``: one request for a run of chunks, one reply with several.)"""
+
+MAX_CHUNKS_PER_REQUEST = 64
+"""Most chunks one ``WeightChunkRequest`` may ask for."""
 
 FINISH_REASONS = frozenset(
     {"done", "truncated", "turn_limit", "context_limit", "env_error", "aborted", "render_error"}
@@ -253,12 +257,25 @@ class PolicyAnnouncement:
 
 @record
 class WeightChunkRequest:
-    """Ask the weights socket for one chunk of one version."""
+    """Ask the weights socket (learner or relay) for a run of chunks of one version.  The
+    reply carries chunks ``index, index + 1, ...`` in order, each as one ``WeightChunk``
+    (its header frame, then its data frame) in one multipart message: the learner sends the
+    whole run (cut at the last chunk) in one reply; a relay may answer in several replies,
+    each with the chunks it verified since its last one (from the first not yet sent on).
+
+    Example: ``WeightChunkRequest(version=3, index=8, count=4)`` asks for chunks 8..11."""
 
     version: int
     """Policy version wanted; the learner keeps only the latest few."""
     index: int
-    """Chunk index in that version's manifest."""
+    """First chunk index in that version's manifest."""
+    count: int = 1
+    """Chunks in the run (1..``MAX_CHUNKS_PER_REQUEST``): one request and one reply for
+    several chunks cut the per-chunk CPU of both ends."""
+
+    def check(self) -> None:
+        if not 1 <= self.count <= MAX_CHUNKS_PER_REQUEST:
+            _fail("WeightChunkRequest.count", f"must be in 1..{MAX_CHUNKS_PER_REQUEST}, got {self.count}")
 
 
 @record(eq=False)

@@ -151,3 +151,22 @@ def tensors_from_buffer(buf: np.ndarray, manifest: WeightManifest, *, copy: bool
             x = torch.frombuffer(buf, dtype=dtype, count=numel, offset=t.offset).view(t.shape)
         out[t.name] = x.clone() if copy else x
     return out
+
+
+def chunk_reply_frames(manifest: WeightManifest, buf: np.ndarray, first: int, end: int, *, corrupt: bool = False) -> list:
+    """The frames of a reply carrying chunks ``first .. end - 1`` of ``manifest`` from the
+    stream ``buf`` (``WeightChunkRequest``): per chunk a ``WeightChunk`` header frame, then its
+    data frame (a view of ``buf``: send with ``copy=False`` only while ``buf`` cannot change).
+    ``corrupt`` flips the first byte of every chunk (tests: a relay serving wrong bytes)."""
+    from turnscale.protocol import codec
+    from turnscale.protocol.messages import WeightChunk
+
+    frames: list = []
+    for c in manifest.chunks[first:end]:
+        data = buf[c.offset:c.offset + c.nbytes]
+        if corrupt and c.nbytes:
+            data = data.copy()
+            data[0] ^= 0xFF
+        frames += codec.encode(WeightChunk(version=manifest.version, index=c.index, checksum=c.checksum, data=data),
+                               out_of_band_bytes=0)  # data always its own frame: the asker recv_into's it
+    return frames

@@ -13,8 +13,9 @@ from turnscale.actors.weight_sync import ChecksumMismatch, ReceiveBuffer, Weight
 from turnscale.learner.weights import WeightPublisher
 from turnscale.protocol import checksums, codec
 from turnscale.protocol.errors import RemoteError
-from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
+from turnscale.protocol.messages import ErrorReply, WeightChunkRequest
 from turnscale.protocol.transport import AsyncSocket, configure, free_port
+from turnscale.protocol.weights import chunk_reply_frames
 
 
 def state_dict(seed=0):
@@ -89,14 +90,15 @@ class FlakyPublisher(WeightPublisher):
     def _answer(self, frames):
         body = frames[2:]
         req = codec.decode(body, expect=WeightChunkRequest)
-        if req.index == 1 and not self.corrupted:
+        if req.index <= 1 < req.index + req.count and not self.corrupted:  # a run with chunk 1 in it
             self.corrupted += 1
             ver = self._versions[req.version]
-            c = ver.manifest.chunks[1]
-            data = ver.buf[c.offset:c.offset + c.nbytes].copy()
-            data[0] ^= 0x01
-            msg = WeightChunk(version=req.version, index=1, checksum=c.checksum, data=data)
-            self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *codec.encode(msg)])
+            end = min(req.index + req.count, len(ver.manifest.chunks))
+            out = chunk_reply_frames(ver.manifest, ver.buf, req.index, end)
+            k = 2 * (1 - req.index) + 1  # chunk 1's data frame
+            out[k] = bytes(out[k])
+            out[k] = bytes([out[k][0] ^ 0x01]) + out[k][1:]
+            self._sock.send_multipart([frames[0].bytes, frames[1].bytes, *out])
             return
         super()._answer(frames)
 

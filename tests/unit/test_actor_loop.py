@@ -645,3 +645,32 @@ def test_actor_registers_its_relay_buffer_before_each_pull_and_asks_the_learners
     assert ("allow", ()) in events  # the Welcome's relay_clients reach the relay (none: plain relays here)
     events[:] = [e for e in events if e[0] != "allow"]
     assert ("close",) == events[-1] and actor.stats.weight_chunks_from_learner == len(seen)
+
+
+def test_a_first_pull_of_a_retired_version_pulls_the_newest_announced_without_registering_again():
+    """The learner retires the Welcome's version before the actor pulls it (it published
+    again meanwhile): the first pull's ``unknown_version`` must send the actor to the newest
+    announced version in the same session, not end the session and re-register."""
+    from turnscale.protocol.errors import RemoteError
+
+    cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 1, "learner.heartbeat_interval_s": 0.05})
+    svc = LearnerService(cfg, ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict,
+                                           schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.5, 0.1
+    engine = ChecksumEngine(size=SIZE)
+    actor = make_actor(cfg, FakeEnvClient(), engine)
+    refused = []
+
+    async def retiring_pull(sock, manifest, timeout_s, buffer):
+        if manifest.version == 0:  # the Welcome's version: gone by the time we ask
+            refused.append(manifest.version)
+            if svc.version == 0:
+                await svc._publish_weights(1)  # the learner moved on (and retired v0)
+            raise RemoteError("unknown_version", "version 0 is not served (have [1]); pull the latest announced version")
+        return await fake_pull(sock, manifest, timeout_s, buffer)
+
+    actor.deps.pull = retiring_pull
+    run_to_shutdown(svc, actor)
+    assert refused == [0]  # asked once, then the newest announced version
+    assert actor.stats.sessions == 1  # no second Hello
+    assert engine.applied[0] == 1 and actor.stats.weight_failures == 1

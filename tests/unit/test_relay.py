@@ -15,6 +15,7 @@ from turnscale.actors.relay import RelayServer
 from turnscale.actors.weight_sync import PullReport, ReceiveBuffer, pull_weights
 from turnscale.learner.weights import WeightPublisher
 from turnscale.protocol import checksums, codec
+from turnscale.protocol.errors import ProtocolError
 from turnscale.protocol.messages import ErrorReply, WeightChunk, WeightChunkRequest
 from turnscale.protocol.transport import AsyncSocket, configure, free_port
 
@@ -240,3 +241,65 @@ def test_egress_is_counted_per_version_and_reported_when_the_version_is_retired(
         assert pub.take_retired_egress() == []  # each retired version is reported once
         pub.publish(4, state_dict(4))
         assert pub.take_retired_egress() == [(2, m2.total_bytes, m2.total_bytes)]
+
+
+def test_runs_from_a_corrupt_relay_and_their_refetch_from_the_next_relay_lose_no_chunk(publisher):
+    """A corrupt relay streams a run of chunks while each refused chunk is asked of the next
+    relay as a run starting at the same chunk: both runs are in flight at once and every
+    chunk must still arrive (keyed by chunk, the second run hid the first's rest: a hang)."""
+    a, b, c = ReceiveBuffer(), ReceiveBuffer(), ReceiveBuffer()
+    with RelayServer("tcp://127.0.0.1:0") as good, RelayServer("tcp://127.0.0.1:0", corrupt=True) as bad:
+        for v in range(1, 6):
+            m = publisher.publish(v, state_dict(v))
+
+            async def main():
+                async with trio.open_nursery() as n:  # the chain learner -> good -> bad, pulled at once
+                    n.start_soon(lambda: pull_into(publisher.endpoint, m, a, relay=good, key=v % 2))
+                    n.start_soon(lambda: pull_into(publisher.endpoint, m, b, relays=[good.endpoint], relay=bad, key=v % 2))
+                    rep = PullReport()
+                    await pull_into(publisher.endpoint, m, c, relays=[bad.endpoint, good.endpoint], report=rep,
+                                    run_bytes=1 << 20)
+                return rep
+
+            rep = trio.run(main)  # pull_into bounds each pull in time
+            assert stream_ok(c, m) and rep.fallbacks >= 1 and rep.from_relays + rep.from_learner == len(m.chunks)
+
+
+def test_a_run_is_one_reply_from_the_learner_and_streams_from_a_relay_as_chunks_verify(publisher):
+    """``WeightChunkRequest.count``: the learner answers the whole run (cut at the last chunk)
+    in one message of header + data frame pairs; a relay sends what it has verified and the
+    rest of the run in later replies to the same request; a bad count is refused."""
+    m = publisher.publish(1, state_dict())
+    n = len(m.chunks)
+
+    def chunks(frames):
+        got = [codec.decode(frames[k:k + 2], expect=WeightChunk) for k in range(1, len(frames), 2)]
+        assert all(bytes(g.data) == bytes(m_buf[m.chunks[g.index].offset:][:m.chunks[g.index].nbytes]) for g in got)
+        return [g.index for g in got]
+
+    m_buf = publisher._versions[1].buf
+    raw = configure(zmq.Context.instance().socket(zmq.DEALER))
+    try:
+        raw.connect(publisher.endpoint)
+        raw.send_multipart([b"r", *codec.encode(WeightChunkRequest(version=1, index=n - 2, count=5))])
+        assert raw.poll(5000) and chunks(raw.recv_multipart()) == [n - 2, n - 1]
+        with pytest.raises(ProtocolError, match="count"):
+            WeightChunkRequest(version=1, index=0, count=0).check()
+    finally:
+        raw.close(linger=0)
+    buf = np.zeros(m.total_bytes, dtype=np.uint8)
+    with RelayServer("tcp://127.0.0.1:0", hold_s=5.0) as relay:
+        raw = configure(zmq.Context.instance().socket(zmq.DEALER))
+        raw.connect(relay.endpoint)
+        try:
+            relay.begin("k", m, buf)
+            buf[:] = m_buf
+            relay.mark("k", 0)
+            relay.mark("k", 1)
+            raw.send_multipart([b"r", *codec.encode(WeightChunkRequest(version=1, index=0, count=4))])
+            assert raw.poll(5000) and chunks(raw.recv_multipart()) == [0, 1]  # what it holds, at once
+            relay.mark("k", 3)
+            relay.mark("k", 2)
+            assert raw.poll(5000) and chunks(raw.recv_multipart()) == [2, 3]  # the rest, as it verified it
+        finally:
+            raw.close(linger=0)
