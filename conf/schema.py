@@ -430,6 +430,9 @@ class LearnerConfig:
     debug_step_delay_s: float = 0.0
     """Tests and benchmarks only: sleep this long before every optimizer step (a slow learner,
     to exercise admission control and backpressure).  0 in real runs."""
+    rank_timeout_s: float = 300.0
+    """Several learner ranks (``torchrun``; ``learner/ranks.py``): longest wait of rank 0 for a
+    follower rank to take its share of a step; past it rank 0 fails with ``RankError``."""
     curve: LearnerCurveConfig = field(default_factory=LearnerCurveConfig)
     """CURVE on the learner's sockets (on by default off loopback)."""
     relay: RelayConfig = field(default_factory=RelayConfig)
@@ -442,6 +445,7 @@ class LearnerConfig:
         _require(self.max_actors >= 1, "learner.max_actors", "must be >= 1")
         _require(self.max_leases_per_actor >= 1, "learner.max_leases_per_actor", "must be >= 1")
         _require(self.max_message_mb > 0, "learner.max_message_mb", "must be > 0")
+        _require(self.rank_timeout_s > 0, "learner.rank_timeout_s", "must be > 0")
         _require(self.transfer_dtype in FLOAT_DTYPES, "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 
 
