@@ -122,7 +122,7 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
     try:
         await trio.to_thread.run_sync(channel.broadcast, RankStart(model_path=model_path, world_size=channel.world))
         trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
-        ranked = ranks.RankedTrainer(trainer, channel)
+        ranked = ranks.RankedTrainer(trainer, channel, lc.rank_timeout_s)
         log.info("learner rank 0 of %d: rank 0 serves, every rank trains its share of each step", channel.world)
         code = await _serve(cfg, ranked, model_path)
     except BaseException as exc:

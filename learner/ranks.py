@@ -23,18 +23,25 @@ as a length (``[1] int64``) then the bytes (``[n] uint8``) — never pickle.  Th
    ``last_group_gaps`` (per-pool metrics over the whole batch);
 4. ``RankStop(reason)`` when rank 0's service ends, normally or not; followers exit.
 
+While rank 0 waits for groups its keep-alive thread sends ``RankPing`` whenever the
+channel was quiet for a quarter of ``learner.rank_timeout_s`` (the channel group's gloo
+timeout), so a follower's wait for the next record never times out while rank 0 lives
+(gloo cannot wait longer than its timeout, nor poll a pending receive).  One lock
+serialises the channel: a step, a resume, a ping, the stop.
+
 Failures: a follower that dies closes its gloo connections, so rank 0's next send or
-collective raises, and rank 0 fails with ``RankError`` naming the rank; a follower that
-neither dies nor answers is given up after ``learner.rank_timeout_s`` (the channel
-group's timeout) with the same error.  torchrun then ends the job.  Followers wait for
-rank 0 without a timeout (its step may wait long for groups); torchrun ends them when
-rank 0 exits.
+collective raises (a ping while idle, or the next step) and rank 0 fails with
+``RankError`` naming the rank; a follower that neither dies nor answers is given up after
+``learner.rank_timeout_s`` with the same error.  A follower whose rank 0 is gone fails
+its wait the same way, within ``learner.rank_timeout_s``.  Under torchrun, the first
+rank to exit ends the job.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Sequence
@@ -45,7 +52,7 @@ import torch
 from turnscale.learner.poolgap import GroupGap
 from turnscale.protocol import codec
 from turnscale.protocol.errors import TurnscaleError
-from turnscale.protocol.messages import RankResume, RankShare, RankStart, RankStop, TrajectoryGroup
+from turnscale.protocol.messages import RankPing, RankResume, RankShare, RankStart, RankStop, TrajectoryGroup
 
 log = logging.getLogger("turnscale.learner")
 
@@ -53,9 +60,6 @@ __all__ = ["RankChannel", "RankError", "RankedTrainer", "connect", "follow", "sp
 
 _NO_OUT_OF_BAND = 1 << 62
 """``codec.encode(out_of_band_bytes=...)``: every array inline, so a record is one frame."""
-
-_POLL_S = 0.005
-
 
 class RankError(TurnscaleError):
     """A learner rank died, or did not take its part of a step in time."""
@@ -104,18 +108,19 @@ class RankChannel:
             raise _lost(dst, f"sending it {type(msg).__name__}", exc) from exc
 
     def recv(self) -> Any:
-        """Follower: the next record from rank 0 (waits without a timeout; see the module docstring)."""
+        """Follower: the next record from rank 0 (at most ``learner.rank_timeout_s``: rank 0
+        pings idle followers well within it)."""
         import torch.distributed as dist
 
         n = torch.zeros(1, dtype=torch.int64)
-        _wait(dist.irecv(n, 0, group=self.group))
+        dist.recv(n, 0, group=self.group)
         size = int(n[0])
         if not 0 < size <= self.limits.max_message_bytes:
             raise RankError(f"rank 0 announced a {size}-byte message; the limit is {self.limits.max_message_bytes} "
                             f"(learner.max_message_mb)")
         data = torch.empty(size, dtype=torch.uint8)
-        _wait(dist.irecv(data, 0, group=self.group))
-        return codec.decode([data.numpy().tobytes()], self.limits, expect=(RankStart, RankResume, RankShare, RankStop))
+        dist.recv(data, 0, group=self.group)
+        return codec.decode([data.numpy().tobytes()], self.limits, expect=(RankStart, RankResume, RankShare, RankStop, RankPing))
 
     def broadcast(self, msg: Any) -> None:
         """Rank 0: ``msg`` to every follower."""
@@ -141,13 +146,6 @@ class RankChannel:
         if t[total, 0] > 0:
             return []
         return [GroupGap(*map(float, row)) for row in t[:total]]
-
-
-def _wait(work: Any) -> None:
-    """Wait for a point-to-point receive without gloo's timeout (polled)."""
-    while not work.is_completed():
-        time.sleep(_POLL_S)
-    work.wait()
 
 
 def _lost(rank: int | None, doing: str, exc: BaseException) -> RankError:
@@ -177,13 +175,20 @@ class RankedTrainer:
     """Rank 0's trainer of a multi-rank learner: ``service.TrainerLike`` over every rank
     (see the module docstring); everything else is the local ``Trainer``'s."""
 
-    def __init__(self, trainer: Any, channel: RankChannel) -> None:
+    def __init__(self, trainer: Any, channel: RankChannel, timeout_s: float) -> None:
         kind = str(trainer.accelerator.distributed_type).upper()
         if "FSDP" in kind or "DEEPSPEED" in kind:
             raise RankError(f"a multi-rank learner needs replicated weights (DDP); accelerate runs {kind}. "
                             f"Launch with torchrun (or accelerate launch without FSDP/DeepSpeed).")
         self.trainer, self.channel = trainer, channel
         self.last_group_gaps: list[GroupGap] = []
+        self._lock = threading.Lock()
+        """Held while rank 0 uses the channel: a step, a resume, a ping, the stop."""
+        self._last_sent = time.monotonic()
+        self._failed: RankError | None = None
+        self._closed = threading.Event()
+        self._ping_every_s = timeout_s / 4
+        threading.Thread(target=self._keepalive, name="rank-keepalive", daemon=True).start()
 
     @property
     def step(self) -> int:
@@ -193,35 +198,66 @@ class RankedTrainer:
         return getattr(self.trainer, name)
 
     def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
-        """One optimizer step on ``groups`` across all ranks; metrics are rank 0's share's,
-        but ``perf/tokens`` / ``perf/loss_tokens`` / ``perf/episodes`` (ranks added up)."""
+        """One optimizer step on ``groups`` across all ranks.  The trainer's ``loss/*`` and
+        ``perf/*`` metrics are rank 0's share's (the service's ``perf/tokens_trained`` and
+        the per-pool gaps cover the whole batch); ``perf/learner_ranks`` counts the ranks."""
         shares = split_by_tokens([group_tokens(g) for g in groups], self.channel.world)
-        for dst in range(1, self.channel.world):
-            self.channel.send(dst, RankShare(step=self.trainer.step, total_groups=len(groups), indices=shares[dst],
-                                             groups=[groups[i] for i in shares[dst]]))
-        try:
-            out = self.trainer.train_step([groups[i] for i in shares[0]])
-        except (RuntimeError, OSError) as exc:  # gloo/NCCL: a rank went away mid-step
-            raise _lost(None, "training a step (DDP)", exc) from exc
-        self.last_group_gaps = self.channel.sum_gaps(self.trainer.last_group_gaps, shares[0], len(groups))
-        if self.last_group_gaps:
-            out["perf/loss_tokens"] = float(sum(g.tokens for g in self.last_group_gaps))
-        out["perf/tokens"] = float(sum(group_tokens(g) for g in groups))
+        with self._lock:
+            self._check()
+            for dst in range(1, self.channel.world):
+                self.channel.send(dst, RankShare(step=self.trainer.step, total_groups=len(groups), indices=shares[dst],
+                                                 groups=[groups[i] for i in shares[dst]]))
+            try:
+                out = self.trainer.train_step([groups[i] for i in shares[0]])
+            except (RuntimeError, OSError) as exc:  # gloo/NCCL: a rank went away mid-step
+                raise _lost(None, "training a step (DDP)", exc) from exc
+            self.last_group_gaps = self.channel.sum_gaps(self.trainer.last_group_gaps, shares[0], len(groups))
+            self._last_sent = time.monotonic()
         out["perf/learner_ranks"] = float(self.channel.world)
         return out
 
     def load_state(self, path: str) -> int:
         """Resume every rank from the checkpoint at ``path``."""
-        self.channel.broadcast(RankResume(path=path))
+        with self._lock:
+            self._check()
+            self.channel.broadcast(RankResume(path=path))
+            self._last_sent = time.monotonic()
         return self.trainer.load_state(path)
 
     def stop(self, reason: str) -> None:
         """Tell every follower to exit; a follower already gone is only logged."""
-        for dst in range(1, self.channel.world):
-            try:
-                self.channel.send(dst, RankStop(reason=reason))
-            except RankError as exc:
-                log.warning("could not stop learner rank %d: %s", dst, exc)
+        self._closed.set()
+        with self._lock:
+            if self._failed is not None:
+                return
+            for dst in range(1, self.channel.world):
+                try:
+                    self.channel.send(dst, RankStop(reason=reason))
+                except RankError as exc:
+                    log.warning("could not stop learner rank %d: %s", dst, exc)
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _keepalive(self) -> None:
+        """``RankPing`` to every follower when the channel has been quiet for a quarter of
+        ``learner.rank_timeout_s`` (rank 0 waiting for groups), so a follower's wait never
+        times out while rank 0 lives, and a follower that died is noticed while idle (the
+        next step raises its ``RankError``)."""
+        while not self._closed.wait(min(1.0, self._ping_every_s)):
+            with self._lock:
+                if self._failed is not None or self._closed.is_set():
+                    return
+                if time.monotonic() - self._last_sent < self._ping_every_s:
+                    continue
+                try:
+                    self.channel.broadcast(RankPing(step=self.trainer.step))
+                except RankError as exc:
+                    self._failed = exc
+                    log.error("%s", exc)
+                    return
+                self._last_sent = time.monotonic()
 
 
 def follow(cfg: Any, channel: RankChannel) -> int:
@@ -241,6 +277,8 @@ def follow(cfg: Any, channel: RankChannel) -> int:
         if isinstance(msg, RankStop):
             log.info("learner rank %d stops (%s) at step %d", channel.rank, msg.reason, trainer.step)
             return 0
+        if isinstance(msg, RankPing):
+            continue
         if isinstance(msg, RankResume):
             trainer.load_state(msg.path)
             log.info("learner rank %d resumed from %s at step %d", channel.rank, msg.path, trainer.step)

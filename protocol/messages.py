@@ -618,7 +618,7 @@ class LearnerStatus:
 # ----------------------------------------------------------------------------- learner ranks
 # Learner rank 0 -> each follower rank of a multi-rank learner (``learner.ranks``), as
 # codec bytes over torch.distributed (gloo): RankStart first, then RankResume (resuming
-# only), then one RankShare per optimizer step, then RankStop.
+# only), then one RankShare per optimizer step (RankPing while idle), then RankStop.
 
 
 @record
@@ -658,6 +658,15 @@ class RankShare:
 
 
 @record
+class RankPing:
+    """Rank 0 is alive and waiting for groups (sent when the channel was quiet for a
+    while, so a follower's wait does not time out); the follower waits on."""
+
+    step: int
+    """Rank 0's optimizer steps so far."""
+
+
+@record
 class RankStop:
     """The learner is done (or failed): the follower exits."""
 
@@ -681,6 +690,6 @@ Message = (
     Hello | Welcome | LeaseRequest | LeaseGrant | TrajectoryGroup | GroupAck | Heartbeat
     | HeartbeatAck | Goodbye | Shutdown | ErrorReply | PolicyAnnouncement
     | WeightChunkRequest | WeightChunk | ControlRequest | LearnerStatus
-    | RankStart | RankResume | RankShare | RankStop
+    | RankStart | RankResume | RankShare | RankPing | RankStop
 )
 """Every top-level message (nested records like ``Episode`` travel only inside them)."""
