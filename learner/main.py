@@ -124,7 +124,10 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
         trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
         ranked = ranks.RankedTrainer(trainer, channel, lc.rank_timeout_s)
         log.info("learner rank 0 of %d: rank 0 serves, every rank trains its share of each step", channel.world)
-        code = await _serve(cfg, ranked, model_path)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ranked.watch, name="ranks")  # a follower lost while idle ends the run
+            code = await _serve(cfg, ranked, model_path)
+            nursery.cancel_scope.cancel()
     except BaseException as exc:
         if ranked is not None and not isinstance(exc, ranks.RankError):  # a lost rank: torchrun ends the others
             ranked.stop("error")
@@ -246,11 +249,24 @@ def main(argv: Iterable[str] | None = None, play: EnvPlay | None = None) -> int:
     from turnscale.common.procs import setup_process
 
     setup_process()
-    from turnscale.learner.ranks import RankError
-
     try:
         return trio.run(run, cfg, play)
-    except RankError as exc:
-        log.error("%s", exc)
-        print(f"turnscale learner: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        lost = _rank_error(exc)
+        if lost is None:
+            raise
+        print(f"turnscale learner: {lost}", file=sys.stderr)
         return 1
+
+
+def _rank_error(exc: BaseException) -> Any:
+    """The ``RankError`` in ``exc`` (also inside trio's exception groups), or None."""
+    from turnscale.learner.ranks import RankError
+
+    if isinstance(exc, RankError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = _rank_error(inner)
+        if found is not None:
+            return found
+    return None

@@ -236,6 +236,15 @@ class RankedTrainer:
                 except RankError as exc:
                     log.warning("could not stop learner rank %d: %s", dst, exc)
 
+    async def watch(self) -> None:
+        """Raise the keep-alive's ``RankError`` (checked every half second) so the service
+        stops at once when a follower is lost while it waits for groups."""
+        import trio
+
+        while True:
+            await trio.sleep(0.5)
+            self._check()
+
     def _check(self) -> None:
         if self._failed is not None:
             raise self._failed

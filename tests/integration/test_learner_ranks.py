@@ -85,3 +85,42 @@ def test_two_rank_learner_publishes_the_weights_of_a_one_rank_learner_also_after
     # (a group trained twice or not at all, a rank's normaliser) moves weights by ~1e-3.
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_rank_0_exits_with_a_clear_error_when_a_follower_rank_dies(tmp_path):
+    """The ranks are started by hand (RANK/WORLD_SIZE as torchrun sets them) so that no
+    launcher ends rank 0 for us: rank 0 itself notices the dead follower."""
+    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=VOCAB, intermediate=64)
+    ports = [free_port() for _ in range(3)]
+    args = learner_args(str(tmp_path / "run"), model_dir, ports, 10, "learner.rank_timeout_s=20")
+    dist_port = free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(dist_port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                   "LOCAL_WORLD_SIZE": "2"}
+            procs.append(subprocess.Popen([sys.executable, "-m", "turnscale", "learner", *args], env=env,
+                                          stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+        actor = ScriptedActor(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", vocab=VOCAB)
+        try:
+            actor.hello()
+            actor.feed(120, max_groups=4)  # one step on both ranks
+            actor.announcement(1)
+        finally:
+            actor.close()
+        procs[1].kill()
+        procs[1].wait(timeout=10)
+        t0 = time.monotonic()
+        code = procs[0].wait(timeout=60)  # pings every rank_timeout_s / 4 = 5 s; a send to a dead peer fails
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    log = open(tmp_path / "rank0.log").read()
+    assert code == 1, log[-3000:]
+    assert "turnscale learner: learner rank 1 failed" in log and "learner.resume=true" in log, log[-3000:]
+    assert took < 45, took
