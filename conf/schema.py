@@ -578,6 +578,11 @@ class SlurmConfig:
     learner_constraint: str = ""
     learner_gres: str = ""
     learner_cpus: int = 4
+    learner_ranks: int = 1
+    """Ranks of the learner job (one node): above 1 the job runs ``torchrun --standalone
+    --nproc_per_node=<ranks> -m turnscale learner`` (``learner/ranks.py``: rank 0 serves,
+    every rank trains its share of each step under DDP); give it as many devices
+    (``learner_gres``, e.g. ``gpu:4``) and cpus."""
     env_url: str = ""
     """An external env server (e.g. AgentGym's); empty: an envhub job is submitted."""
     envhub_cpus: int = 2
@@ -589,6 +594,7 @@ class SlurmConfig:
         names = [p.name for p in self.pools]
         _require(bool(names) and len(set(names)) == len(names), "slurm.pools", f"needs unique pool names, got {names}")
         _require(self.learner_cpus >= 1 and self.envhub_cpus >= 1 and self.wait_s >= 1, "slurm", "cpus and wait_s must be >= 1")
+        _require(self.learner_ranks >= 1, "slurm.learner_ranks", f"must be >= 1, got {self.learner_ranks}")
 
 
 @dataclass(kw_only=True)
