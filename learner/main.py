@@ -107,6 +107,9 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
     lc = cfg.learner
     channel = await trio.to_thread.run_sync(ranks.connect, cfg)  # None: one rank
     if channel is not None and channel.rank > 0:
+        # SIGTERM (scancel, torchrun passing it on) is rank 0's to handle: it checkpoints, then
+        # sends RankStop; a follower killed at once would fail rank 0's step instead.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return await trio.to_thread.run_sync(ranks.follow, cfg, channel)
     if channel is not None and cfg.algo.name == "sft" and lc.sft_data:
         raise conf.ConfigError("learner.sft_data (offline SFT) runs on one rank; start it without torchrun")

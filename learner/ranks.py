@@ -22,6 +22,9 @@ as a length (``[1] int64``) then the bytes (``[n] uint8``) — never pickle.  Th
    all-reduce on the channel group sums each group's behaviour-gap sums into rank 0's
    ``last_group_gaps`` (per-pool metrics over the whole batch);
 4. ``RankStop(reason)`` when rank 0's service ends, normally or not; followers exit.
+   Followers ignore SIGTERM (``learner.main``): on ``scancel`` torchrun passes it to every
+   rank, rank 0 finishes its step, checkpoints and sends ``RankStop``; torchrun SIGKILLs
+   whatever is left after its grace period.
 
 While rank 0 waits for groups its keep-alive thread sends ``RankPing`` whenever the
 channel was quiet for a quarter of ``learner.rank_timeout_s`` (the channel group's gloo

@@ -124,3 +124,25 @@ def test_rank_0_exits_with_a_clear_error_when_a_follower_rank_dies(tmp_path):
     assert code == 1, log[-3000:]
     assert "turnscale learner: learner rank 1 failed" in log and "learner.resume=true" in log, log[-3000:]
     assert took < 45, took
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_checkpoints_on_rank_0_and_stops_the_followers(tmp_path):
+    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=VOCAB, intermediate=64)
+    ports = [free_port() for _ in range(3)]
+    log = str(tmp_path / "two.log")
+    args = learner_args(str(tmp_path / "run"), model_dir, ports, 10, "learner.checkpoint_every=100")
+    proc = start_learner(args, 2, log)
+    actor = ScriptedActor(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", vocab=VOCAB)
+    try:
+        actor.hello()
+        actor.feed(120, max_groups=4)  # one step
+        actor.announcement(1)
+        os.kill(proc.pid, signal.SIGTERM)  # what scancel does to the job's torchrun
+        proc.wait(timeout=60)
+    finally:
+        actor.close()
+        end(proc)
+    text = open(log).read()
+    assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir(), text[-4000:]  # checkpoint_every=100: the signal's
+    assert "learner rank 1 stops (done) at step 1" in text, text[-4000:]
