@@ -151,6 +151,15 @@ class RankChannel:
         return [GroupGap(*map(float, row)) for row in t[:total]]
 
 
+def _distributed_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a collective with a lost rank (gloo and NCCL raise plain
+    ``RuntimeError`` naming themselves, or torch's ``DistError``)."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or "gloo" in text or "NCCL" in text or "HCCL" in text
+
+
 def _lost(rank: int | None, doing: str, exc: BaseException) -> RankError:
     who = f"learner rank {rank}" if rank is not None else "a learner rank"
     return RankError(f"{who} failed while rank 0 was {doing}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}. "
@@ -212,7 +221,9 @@ class RankedTrainer:
                                                  groups=[groups[i] for i in shares[dst]]))
             try:
                 out = self.trainer.train_step([groups[i] for i in shares[0]])
-            except (RuntimeError, OSError) as exc:  # gloo/NCCL: a rank went away mid-step
+            except RuntimeError as exc:
+                if not _distributed_failure(exc):  # e.g. out of memory: rank 0's own error, as it is
+                    raise
                 raise _lost(None, "training a step (DDP)", exc) from exc
             self.last_group_gaps = self.channel.sum_gaps(self.trainer.last_group_gaps, shares[0], len(groups))
             self._last_sent = time.monotonic()

@@ -45,7 +45,8 @@ rank alike when no rank has one.  Loss normalisation and ``algo.loss_agg``'s mea
 episode length use the global counts, so K ranks on a split batch take the same step as
 one process on the whole batch (tested to float tolerance).  Group estimators need whole
 groups on a rank; REINFORCE++'s batch statistics are per rank.  ``state_dict_for_publish`` and
-``state_writer`` gather the full model on every rank (call them on all ranks);
+``state_writer`` gather the full model on every rank under FSDP (call them on all ranks
+there; under DDP they need no collective, and ``learner.ranks`` calls them on rank 0 only);
 sharded (FSDP) optimizer state is saved as each rank's ``optimizer.state_dict()`` only
 from the main rank — resuming FSDP runs is not covered yet.
 
