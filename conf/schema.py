@@ -430,6 +430,9 @@ class LearnerConfig:
     debug_step_delay_s: float = 0.0
     """Tests and benchmarks only: sleep this long before every optimizer step (a slow learner,
     to exercise admission control and backpressure).  0 in real runs."""
+    rank_timeout_s: float = 300.0
+    """Several learner ranks (``torchrun``; ``learner/ranks.py``): longest wait of rank 0 for a
+    follower rank to take its share of a step; past it rank 0 fails with ``RankError``."""
     curve: LearnerCurveConfig = field(default_factory=LearnerCurveConfig)
     """CURVE on the learner's sockets (on by default off loopback)."""
     relay: RelayConfig = field(default_factory=RelayConfig)
@@ -442,6 +445,7 @@ class LearnerConfig:
         _require(self.max_actors >= 1, "learner.max_actors", "must be >= 1")
         _require(self.max_leases_per_actor >= 1, "learner.max_leases_per_actor", "must be >= 1")
         _require(self.max_message_mb > 0, "learner.max_message_mb", "must be > 0")
+        _require(self.rank_timeout_s > 0, "learner.rank_timeout_s", "must be > 0")
         _require(self.transfer_dtype in FLOAT_DTYPES, "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 
 
@@ -587,6 +591,11 @@ class SlurmConfig:
     learner_constraint: str = ""
     learner_gres: str = ""
     learner_cpus: int = 4
+    learner_ranks: int = 1
+    """Ranks of the learner job (one node): above 1 the job runs ``torchrun --standalone
+    --nproc_per_node=<ranks> -m turnscale learner`` (``learner/ranks.py``: rank 0 serves,
+    every rank trains its share of each step under DDP); give it as many devices
+    (``learner_gres``, e.g. ``gpu:4``) and cpus."""
     env_url: str = ""
     """An external env server (e.g. AgentGym's); empty: an envhub job is submitted."""
     envhub_cpus: int = 2
@@ -598,6 +607,7 @@ class SlurmConfig:
         names = [p.name for p in self.pools]
         _require(bool(names) and len(set(names)) == len(names), "slurm.pools", f"needs unique pool names, got {names}")
         _require(self.learner_cpus >= 1 and self.envhub_cpus >= 1 and self.wait_s >= 1, "slurm", "cpus and wait_s must be >= 1")
+        _require(self.learner_ranks >= 1, "slurm.learner_ranks", f"must be >= 1, got {self.learner_ranks}")
 
 
 @dataclass(kw_only=True)

@@ -100,20 +100,57 @@ class TrainerCheckpointer:
 async def run(cfg: Config, play: EnvPlay | None = None) -> int:
     import trio
 
+    from turnscale.learner.trainer import Trainer
+
+    from turnscale import conf
+    from turnscale.learner import ranks
+    lc = cfg.learner
+    channel = await trio.to_thread.run_sync(ranks.connect, cfg)  # None: one rank
+    if channel is not None and channel.rank > 0:
+        # SIGTERM (scancel, torchrun passing it on) is rank 0's to handle: it checkpoints, then
+        # sends RankStop; a follower killed at once would fail rank 0's step instead.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return await trio.to_thread.run_sync(ranks.follow, cfg, channel)
+    if channel is not None and cfg.algo.name == "sft" and lc.sft_data:
+        raise conf.ConfigError("learner.sft_data (offline SFT) runs on one rank; start it without torchrun")
+    os.makedirs(lc.dir, exist_ok=True)
+    conf.save(cfg, os.path.join(lc.dir, "config.yaml"))  # the resolved config, next to checkpoints/
+    model_path = await trio.to_thread.run_sync(resolve_model_path, cfg, play)
+    if channel is None:
+        trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
+        return await _serve(cfg, trainer, model_path)
+    from turnscale.protocol.messages import RankStart
+
+    ranked = None
+    try:
+        await trio.to_thread.run_sync(channel.broadcast, RankStart(model_path=model_path, world_size=channel.world))
+        trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
+        ranked = ranks.RankedTrainer(trainer, channel, lc.rank_timeout_s)
+        log.info("learner rank 0 of %d: rank 0 serves, every rank trains its share of each step", channel.world)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ranked.watch, name="ranks")  # a follower lost while idle ends the run
+            code = await _serve(cfg, ranked, model_path)
+            nursery.cancel_scope.cancel()
+    except BaseException as exc:
+        if ranked is not None and not isinstance(exc, ranks.RankError):  # a lost rank: torchrun ends the others
+            ranked.stop("error")
+        raise
+    await trio.to_thread.run_sync(ranked.stop, "done")
+    return code
+
+
+async def _serve(cfg: Config, trainer: Any, model_path: str) -> int:
+    """Rank 0 (or the only rank): the service around ``trainer`` until the run ends."""
+    import trio
+
     from turnscale.learner.metrics import make_logger
     from turnscale.learner.schedule import TurnSchedule
     from turnscale.learner.service import LearnerService, ServiceParts
-    from turnscale.learner.trainer import Trainer
     from turnscale.learner.trajlog import NullTrajectoryLog, TrajectoryLog
     from turnscale.learner.weights import WeightPublisher
     from turnscale.protocol.transport import tcp_endpoint
 
-    from turnscale import conf
     lc = cfg.learner
-    os.makedirs(lc.dir, exist_ok=True)
-    conf.save(cfg, os.path.join(lc.dir, "config.yaml"))  # the resolved config, next to checkpoints/
-    model_path = await trio.to_thread.run_sync(resolve_model_path, cfg, play)
-    trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
     if cfg.algo.name == "sft" and lc.sft_data:
         from turnscale.learner.sft import run_sft
 
@@ -215,4 +252,24 @@ def main(argv: Iterable[str] | None = None, play: EnvPlay | None = None) -> int:
     from turnscale.common.procs import setup_process
 
     setup_process()
-    return trio.run(run, cfg, play)
+    try:
+        return trio.run(run, cfg, play)
+    except BaseException as exc:
+        lost = _rank_error(exc)
+        if lost is None:
+            raise
+        print(f"turnscale learner: {lost}", file=sys.stderr)
+        return 1
+
+
+def _rank_error(exc: BaseException) -> Any:
+    """The ``RankError`` in ``exc`` (also inside trio's exception groups), or None."""
+    from turnscale.learner.ranks import RankError
+
+    if isinstance(exc, RankError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = _rank_error(inner)
+        if found is not None:
+            return found
+    return None

@@ -221,6 +221,7 @@ def format_progress(step: int, m: Mapping[str, float]) -> str:
             f"success {g('rollout/success', '{:.3f}')} | return {g('rollout/return', '{:.3f}')} | "
             f"groups/s {g('perf/groups_per_s')} | tok/s {g('perf/tokens_trained_per_s', '{:.0f}')} | "
             f"staleness {g('rollout/staleness_mean', '{:.2f}')} | dropped {g('rollout/groups_dropped', '{:.0f}')}"
+            + (f" | learner ranks {m['perf/learner_ranks']:.0f}" if "perf/learner_ranks" in m else "")
             + format_pools(m))
 
 

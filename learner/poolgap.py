@@ -26,8 +26,9 @@ pool.  ``record_pool_gaps`` writes, per pool ``<name>``:
   float32 hf actor on CPU, larger for bf16 or another engine.
 
 Token-weighted: a pool's mean is its token sums divided by its token count, so micro-batch
-boundaries and group sizes do not change it.  Under several learner ranks a trainer
-reports its own rank's groups only.
+boundaries and group sizes do not change it.  Under several learner ranks each rank's
+trainer reports its own groups; rank 0's ``learner.ranks.RankedTrainer`` sums them over
+the ranks into one entry per group of the whole batch.
 """
 
 from __future__ import annotations

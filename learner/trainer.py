@@ -31,11 +31,22 @@ every micro-batch's forward runs on the pre-step weights, so the detached log-pr
 that same forward ARE ``pi_prox``, bit for bit: ``algo.prox_forward=auto`` (default) reuses
 them and saves a third of the step's compute.  Both give the same step (tested).
 
-Several ranks (``accelerate launch``): each rank calls ``train_step`` with its share of
-the groups; the loss normaliser is the all-reduced loss-token count, gradients are
-synchronised on the last micro-batch only, so every rank must plan the same number of
-micro-batches (give ranks equal shares).  ``state_dict_for_publish`` and
-``state_writer`` gather the full model on every rank (call them on all ranks);
+Several ranks (``torchrun`` / ``accelerate launch``; ``learner.ranks``): each rank calls
+``train_step`` with its share of the groups (whole groups).  Invariant: **every rank runs
+the same sequence of collectives and the same number of forwards and backwards per step**
+— DDP all-reduces gradients on the last micro-batch's backward and broadcasts buffers on
+every forward, so a rank with one micro-batch fewer hangs the others.  ``train_step``
+enforces it: one all-reduce of ``[loss tokens, rows]`` (sum) and one of the micro-batch
+count (max) start every step; a rank with fewer micro-batches pads its plan with
+zero-weight micro-batches (``pad_plan``; a one-token forward whose loss is multiplied by
+0, so it adds nothing to the summed gradients), in the proximal pass as in the update; a
+rank with no trainable row takes part with pads only, and the step is skipped on every
+rank alike when no rank has one.  Loss normalisation and ``algo.loss_agg``'s mean
+episode length use the global counts, so K ranks on a split batch take the same step as
+one process on the whole batch (tested to float tolerance).  Group estimators need whole
+groups on a rank; REINFORCE++'s batch statistics are per rank.  ``state_dict_for_publish`` and
+``state_writer`` gather the full model on every rank under FSDP (call them on all ranks
+there; under DDP they need no collective, and ``learner.ranks`` calls them on rank 0 only);
 sharded (FSDP) optimizer state is saved as each rank's ``optimizer.state_dict()`` only
 from the main rank — resuming FSDP runs is not covered yet.
 
@@ -222,11 +233,12 @@ class Trainer:
         t0 = time.perf_counter()
         rows, skipped = self._rows(groups, trim=self.algo.name != "ppo")
         degenerate = adv_mod.count_degenerate([np.array([ep.reward for ep in g.episodes]) for g in groups])
-        if not rows:
+        tokens, n_rows = self._global_counts(rows)
+        if not n_rows:
             return self._finish_empty(t0, skipped, degenerate)
-        self._advantages(groups, rows)
+        self._advantages(groups, rows, mean_len=tokens / n_rows)
         plan = self._plan(rows)
-        num_tokens = self._normaliser(sum(float(r.mask.sum()) for r in rows))
+        num_tokens = accumulation_normaliser(int(tokens), self.accelerator.num_processes)
         if self.prox_forward == "extra":
             self._proximal_pass(rows, plan)
 
@@ -235,6 +247,9 @@ class Trainer:
         for i, mb in enumerate(plan):
             sync = i == len(plan) - 1
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
+                if not mb:
+                    self._pad_micro_batch()
+                    continue
                 m, v = self._policy_micro_batch([rows[j] for j in mb], num_tokens)
             metrics = metrics.merge(m)
             value_sum += v
@@ -250,14 +265,18 @@ class Trainer:
         """One optimizer step of masked NLL on the episodes' loss-mask (assistant) tokens."""
         t0 = time.perf_counter()
         rows, skipped = self._rows_from_episodes(episodes, trim=True)
-        if not rows:
+        tokens, n_rows = self._global_counts(rows)
+        if not n_rows:
             return self._finish_empty(t0, skipped, 0)
         plan = self._plan(rows)
-        num_tokens = self._normaliser(sum(float(r.mask.sum()) for r in rows))
+        num_tokens = accumulation_normaliser(int(tokens), self.accelerator.num_processes)
         nll = 0.0
         for i, mb in enumerate(plan):
             sync = i == len(plan) - 1
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
+                if not mb:
+                    self._pad_micro_batch()
+                    continue
                 micro = self._collate([rows[j] for j in mb])
                 loss = sft_loss(logprobs_BT=self._token_logprobs(self.model, micro), mask_BT=micro.mask, num_tokens=num_tokens)
                 self.accelerator.backward(loss)
@@ -353,16 +372,17 @@ class Trainer:
             ))
         return rows, skipped
 
-    def _advantages(self, groups: Sequence[Any], rows: list[_Row]) -> None:
-        """Fill ``row.adv`` ([T] float64) for every estimator but PPO (done per micro-batch)."""
+    def _advantages(self, groups: Sequence[Any], rows: list[_Row], *, mean_len: float) -> None:
+        """Fill ``row.adv`` ([T] float64) for every estimator but PPO (done per micro-batch);
+        ``mean_len``: loss tokens per trainable episode over the whole step (all ranks)."""
         name = self.algo.name
-        if name == "ppo":
+        if name == "ppo" or not rows:
             return
         if name in adv_mod.GROUP_ESTIMATORS:
             adv_G = [adv_mod.group_advantages_G(name, np.array([ep.reward for ep in g.episodes])) for g in groups]
             for r in rows:
                 r.adv = adv_G[r.group][r.index] * (r.mask > 0)
-            self._aggregate(rows)
+            self._aggregate(rows, mean_len)
             return
         if name == "reinforce_pp":
             mask_BT = pad_BT([r.mask for r in rows]).numpy()
@@ -371,36 +391,63 @@ class Trainer:
             adv_BT = adv_mod.reinforce_pp_BT(rewards_BT, mask_BT, self.algo.gamma, keep_B=keep_B)
             for b, r in enumerate(rows):
                 r.adv = adv_BT[b, : len(r.ids)]
-            self._aggregate(rows)
+            self._aggregate(rows, mean_len)
             return
         raise ValueError(f"algo {name!r} has no advantage estimator")
 
-    def _aggregate(self, rows: list[_Row]) -> None:
+    def _aggregate(self, rows: list[_Row], mean_len: float) -> None:
         """``algo.loss_agg=seq_mean_token_mean``: scale each episode's advantages by
         ``mean_len / len_i`` (loss tokens), so the token-mean loss over the batch equals the
         mean over episodes of each episode's token-mean -- every episode weighs the same
         whatever its length.  Multi-turn failures are long; under a plain token mean they
         outweigh the short successes and push down the format tokens both share.  The mean
-        length is this rank's (ranks of one step see batches of similar length)."""
+        length ``mean_len`` is the whole step's (all ranks), so a split batch weighs its
+        episodes as the whole batch does."""
         if self.algo.loss_agg != "seq_mean_token_mean" or not rows:
             return
-        lengths = np.array([float(r.mask.sum()) for r in rows])
-        mean_len = float(lengths.mean())
-        for r, n in zip(rows, lengths):
-            r.adv = r.adv * (mean_len / n)
+        for r in rows:
+            r.adv = r.adv * (mean_len / float(r.mask.sum()))
 
-    def _normaliser(self, local_tokens: float) -> float:
-        world = self.accelerator.num_processes
-        if world > 1:
-            t = torch.tensor([local_tokens], device=self.device)
-            local_tokens = float(self.accelerator.reduce(t, reduction="sum")[0])
-        return accumulation_normaliser(int(local_tokens), world)
+    def _global_counts(self, rows: Sequence[_Row]) -> tuple[float, int]:
+        """(loss tokens, trainable rows) of the step over all ranks: the step's first
+        collective (module docstring, Several ranks)."""
+        tokens, n = sum(float(r.mask.sum()) for r in rows), len(rows)
+        if self.accelerator.num_processes > 1:
+            t = torch.tensor([tokens, float(n)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(t)
+            tokens, n = float(t[0]), int(t[1])
+        return tokens, n
 
     def _plan(self, rows: Sequence[_Row]) -> list[list[int]]:
+        """Micro-batches of row indices, padded with empty ones (zero-weight micro-batches)
+        to the largest count of any rank: the step's second collective."""
         lengths = [len(r.ids) for r in rows]
-        if self.packing == "varlen":
-            return plan_packs(lengths, self.algo.micro_batch_tokens)
-        return plan_micro_batches(lengths, self.algo.micro_batch_tokens)
+        if not rows:
+            plan = []
+        elif self.packing == "varlen":
+            plan = plan_packs(lengths, self.algo.micro_batch_tokens)
+        else:
+            plan = plan_micro_batches(lengths, self.algo.micro_batch_tokens)
+        if self.accelerator.num_processes > 1:
+            t = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            plan = pad_plan(plan, int(t[0]))
+        return plan
+
+    def _pad_micro_batch(self) -> None:
+        """A zero-weight micro-batch: a one-token forward through the policy (and value head)
+        whose loss is multiplied by 0, then backward (no-grad: the forward only).  It keeps
+        the forward/backward count equal on every rank and adds nothing to any gradient."""
+        micro = self._collate([_Row(ids=np.zeros(1, dtype=np.int64), mask=np.zeros(1, dtype=np.float32),
+                                    mu=np.zeros(1, dtype=np.float32), reward=0.0, truncated=False, group=0, index=0)])
+        want_hidden = self.value_head is not None
+        out, _, _ = self._run(self.model, micro, output_hidden_states=want_hidden)
+        if not torch.is_grad_enabled():
+            return
+        loss = out.logits.float().sum() * 0.0
+        if want_hidden:
+            loss = loss + self.value_head(out.hidden_states[-1].float()).sum() * 0.0
+        self.accelerator.backward(loss)
 
     def _collate(self, rows: Sequence[_Row]) -> _Micro:
         d = self.device
@@ -441,6 +488,9 @@ class Trainer:
     def _proximal_pass(self, rows: list[_Row], plan: list[list[int]]) -> None:
         """The extra no-grad forward: pi_prox (and the critic's values) before the step."""
         for mb in plan:
+            if not mb:
+                self._pad_micro_batch()
+                continue
             sub = [rows[j] for j in mb]
             logp, _, values, boot = self._forward(sub, self._collate(sub), grad_entropy=False)
             for b, r in enumerate(sub):
@@ -520,7 +570,7 @@ class Trainer:
     def _perf(self, t0: float, rows: list[_Row], plan: list[list[int]], skipped: int) -> dict[str, float]:
         dt = time.perf_counter() - t0
         tokens = float(sum(len(r.ids) for r in rows))
-        padded = float(sum(self._padded_tokens([len(rows[j].ids) for j in mb]) for mb in plan))
+        padded = float(sum(self._padded_tokens([len(rows[j].ids) for j in mb]) for mb in plan if mb))
         return {
             "perf/step_s": dt,
             "perf/tokens": tokens,
@@ -532,6 +582,14 @@ class Trainer:
             "perf/padded_tokens": padded,
             "perf/padding_ratio": padded / tokens if tokens else 0.0,
         }
+
+
+def pad_plan(plan: list[list[int]], count: int) -> list[list[int]]:
+    """``plan`` followed by empty micro-batches (zero-weight: ``Trainer._pad_micro_batch``)
+    up to ``count`` entries, so every rank runs ``count`` forwards and backwards."""
+    if count < len(plan):
+        raise ValueError(f"cannot pad a plan of {len(plan)} micro-batches to {count}")
+    return plan + [[] for _ in range(count - len(plan))]
 
 
 def _load_tokenizer(model_path: str) -> Any:

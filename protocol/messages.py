@@ -632,6 +632,65 @@ class LearnerStatus:
     """Every registered actor."""
 
 
+# ----------------------------------------------------------------------------- learner ranks
+# Learner rank 0 -> each follower rank of a multi-rank learner (``learner.ranks``), as
+# codec bytes over torch.distributed (gloo): RankStart first, then RankResume (resuming
+# only), then one RankShare per optimizer step (RankPing while idle), then RankStop.
+
+
+@record
+class RankStart:
+    """What a follower rank builds before the first step.
+
+    Example: ``RankStart(model_path="/runs/r1/cache/tiny-64", world_size=2)``."""
+
+    model_path: str
+    """The model folder every rank loads (rank 0 resolved, or built, it)."""
+    world_size: int
+    """Ranks of the learner job."""
+
+
+@record
+class RankResume:
+    """Load the trainer state of this checkpoint (rank 0 resumes from it)."""
+
+    path: str
+    """A complete checkpoint folder (``learner.checkpoint``) on storage every rank sees."""
+
+
+@record(eq=False)
+class RankShare:
+    """A follower's share of one optimizer step: whole groups, never split.
+
+    Example: ``RankShare(step=3, total_groups=4, indices=[1, 2], groups=[g1, g2])``."""
+
+    step: int
+    """Optimizer steps taken before this one (rank 0's ``Trainer.step``)."""
+    total_groups: int
+    """Groups of the whole step, all ranks together."""
+    indices: list[int]
+    """Position of each of ``groups`` in the step's batch (for per-group metrics)."""
+    groups: list[TrajectoryGroup]
+    """This rank's groups, in batch order."""
+
+
+@record
+class RankPing:
+    """Rank 0 is alive and waiting for groups (sent when the channel was quiet for a
+    while, so a follower's wait does not time out); the follower waits on."""
+
+    step: int
+    """Rank 0's optimizer steps so far."""
+
+
+@record
+class RankStop:
+    """The learner is done (or failed): the follower exits."""
+
+    reason: str
+    """Why (``done``, ``error``)."""
+
+
 @record
 class ErrorReply:
     """Typed error answer to any request."""
@@ -648,5 +707,6 @@ Message = (
     Hello | Welcome | LeaseRequest | LeaseGrant | TrajectoryGroup | GroupAck | Heartbeat
     | HeartbeatAck | Goodbye | Shutdown | ErrorReply | PolicyAnnouncement
     | WeightChunkRequest | WeightChunk | ControlRequest | LearnerStatus
+    | RankStart | RankResume | RankShare | RankPing | RankStop
 )
 """Every top-level message (nested records like ``Episode`` travel only inside them)."""

@@ -3,7 +3,8 @@
 Writes readable sbatch scripts into ``slurm.dir`` (storage every node sees) and submits
 them (``--dry-run``: prints them and submits nothing):
 
-- ``learner.sbatch``: the learner, bound to all interfaces; once started it publishes
+- ``learner.sbatch``: the learner, bound to all interfaces (under ``torchrun
+  --standalone --nproc_per_node=<slurm.learner_ranks>`` when that is above 1); once started it publishes
   its address as ``<dir>/learner.addr`` (``host port``, written to a temp file and renamed,
   so a reader never sees half of it); when the learner exits the job writes
   ``<dir>/learner.done``;
@@ -104,6 +105,10 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     files: dict[str, str] = {}
     lc = cfg.learner
 
+    learner_cmd = py
+    if s.learner_ranks > 1:  # one job, K ranks on its node: rank 0 serves, all train (learner/ranks.py)
+        learner_cmd = [s.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={s.learner_ranks}",
+                       "-m", "turnscale"]
     learner = _sbatch_header("ts-learner", f"{run}/logs/learner-%j.log", partition=s.partition, account=s.account,
                              time=s.time, cpus=s.learner_cpus, constraint=s.learner_constraint, gres=s.learner_gres)
     done = shlex.quote(f"{run}/learner.done")
@@ -111,7 +116,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
                 'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
                 *_publish(f"{run}/learner.addr", f'"$HOST {lc.port}"'),
-                f"{_q(py)} learner {_q(common)} learner.host=0.0.0.0 &",
+                f"{_q(learner_cmd)} learner {_q(common)} learner.host=0.0.0.0 &",
                 "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT  # scancel: the learner checkpoints and exits",
                 *_reap()[:2],
                 f"touch {done}  # the run is over: the envhub job and the actors stop",

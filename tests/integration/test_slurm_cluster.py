@@ -1,7 +1,9 @@
 """A run submitted through ``turnscale slurm`` to a real Slurm (``cluster.slurm.FakeSlurm``:
 slurmctld + slurmd on this machine, no munge) trains end to end with actors in two pools.
 
-The node's features ``cpu`` and ``cpu2`` stand for two kinds of hardware; the ``cpu2`` pool
+The learner job runs two ranks (``slurm.learner_ranks=2``: torchrun, gloo, one node; the
+autoscaler test below runs the one-rank learner job).  The node's features ``cpu`` and
+``cpu2`` stand for two kinds of hardware; the ``cpu2`` pool
 runs the hf engine with other settings (``engine.max_batch=2``).  The learner job publishes
 its address in the run folder, the envhub job its URL, the two actor arrays find them, the
 learner trains its steps and tells the actors to stop; every job ends by itself.  Both pools
@@ -35,7 +37,8 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
     ports = [free_port() for _ in range(4)]
     pools = ('[{name:cpu,count:1,constraint:cpu,cpus_per_task:1},'
              '{name:cpu2,count:1,constraint:cpu2,cpus_per_task:1,overrides:["engine.max_batch=2"]}]')
-    overrides = run_overrides(run, ports, tiny_model_dir, pools=pools, steps=STEPS, groups_per_step=2, max_groups=2)
+    overrides = run_overrides(run, ports, tiny_model_dir, pools=pools, steps=STEPS, groups_per_step=2, max_groups=2,
+                              extra=["slurm.learner_ranks=2"])  # one learner job, two ranks (torchrun)
     with slurm_session(c, 90, run=run):
         assert "actors-cpu2.sbatch: job" in submit(c, overrides)
         deadline = time.monotonic() + 480
@@ -44,6 +47,7 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
         assert not c.jobs(), f"jobs still queued: {c.jobs()}\n{run_logs(run)}"
         metrics = read_jsonl(run / "learner" / "metrics.jsonl")
         assert metrics and metrics[-1]["step"] == STEPS, run_logs(run)
+        assert all(m["perf/learner_ranks"] == 2 for m in metrics), run_logs(run)
         assert (run / "learner.addr").read_text().split()[1] == str(ports[0])
         trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
         pools = {t["actor_id"].split("-", 1)[0] for t in trajs if t["accepted"]}

@@ -98,6 +98,11 @@ def examples() -> dict[str, Any]:
                         actors=[m.ActorStatus(actor_id="h-1-x", pool="cpu", host="h", leases=1, draining=True,
                                               tokens_generated=1.5e5)]),
         m.Shutdown(reason="done"),
+        m.RankStart(model_path="/runs/r1/cache/tiny-64", world_size=2),
+        m.RankResume(path="/runs/r1/checkpoints/step-4"),
+        m.RankShare(step=3, total_groups=4, indices=[1, 2], groups=[group(), group()]),
+        m.RankPing(step=3),
+        m.RankStop(reason="done"),
         m.ErrorReply(code="bad_message", message="TrajectoryGroup.episodes[0].loss_mask: too long", retryable=False),
     ]
     by_name: dict[str, Any] = {}

@@ -61,6 +61,11 @@ def test_the_console_line_has_no_pool_part_for_the_default_pool_alone():
     assert "pools" not in format_progress(1, {"pool/default/actors": 2.0, "pool/default/logprob_gap_mean": 0.1})
 
 
+def test_console_line_names_the_learner_ranks_of_a_multi_rank_learner():
+    assert "| learner ranks 4" in format_progress(1, {"perf/learner_ranks": 4.0})  # learner/ranks.py sets it
+    assert "ranks" not in format_progress(1, {"perf/version": 1.0})  # a one-process learner: not shown
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from turnscale.benchmarks.synthetic import build_tiny_model

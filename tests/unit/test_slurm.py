@@ -93,6 +93,21 @@ def test_actor_script_gives_up_with_a_clear_message_when_the_learner_never_start
     assert r.returncode == 1 and "learner.addr after 1s: is the learner/envhub job running?" in r.stderr
 
 
+def test_learner_with_several_ranks_runs_under_torchrun_in_one_job(tmp_path, capsys):
+    rc = slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.python=/opt/ts/bin/python", "slurm.learner_ranks=4",
+                     "slurm.learner_gres=gpu:4", "learner.device=cuda", POOLS])
+    out = capsys.readouterr().out
+    assert rc == 0
+    learner = out.split("# ===== ")[1]
+    assert learner.startswith(f"{tmp_path}/run/learner.sbatch")
+    assert ("/opt/ts/bin/python -m torch.distributed.run --standalone --nproc_per_node=4 -m turnscale learner "
+            in learner) and "#SBATCH --gres=gpu:4" in learner
+    assert "torch.distributed.run" not in out.split("# ===== ")[2]  # actors and envhub: one process per task
+    one = render(tmp_path).files["learner.sbatch"]
+    assert "torch.distributed.run" not in one and "/opt/ts/bin/python -m turnscale learner " in one  # default: 1 rank
+    assert slurm.main(["--dry-run", "slurm.learner_ranks=0"]) == 2
+
+
 def test_dry_run_prints_every_script_and_writes_nothing(tmp_path, capsys):
     rc = slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", POOLS])
     out = capsys.readouterr().out

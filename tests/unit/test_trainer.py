@@ -367,15 +367,15 @@ def test_seq_mean_token_mean_gives_every_episode_the_same_weight_whatever_its_le
         mask = np.ones(n, dtype=np.float32)
         rows.append(_Row(ids=np.zeros(n, dtype=np.int64), mask=mask, mu=np.zeros(n, dtype=np.float32), reward=a, truncated=False, group=0, index=0))
         rows[-1].adv = a * mask
-    tr._aggregate(rows)
-    mean_len = 4.0
+    mean_len = 4.0  # (2 + 6 + 4) / 3: the step's mean over all ranks, handed in by train_step
+    tr._aggregate(rows, mean_len)
     # token-mean over the batch = sum(adv) / (3 * mean_len) = mean over episodes of A_i
     for r, a in zip(rows, (1.0, -1.0, 0.5)):
         assert float(r.adv.sum()) == pytest.approx(a * mean_len)
     tr_plain = Trainer(make_cfg(), model_dir)
     plain = [_Row(ids=np.zeros(3, dtype=np.int64), mask=np.ones(3, dtype=np.float32), mu=np.zeros(3, dtype=np.float32), reward=1.0, truncated=False, group=0, index=0)]
     plain[0].adv = np.ones(3)
-    tr_plain._aggregate(plain)
+    tr_plain._aggregate(plain, 3.0)
     assert plain[0].adv.tolist() == [1.0, 1.0, 1.0]
 
 

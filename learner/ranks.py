@@ -1,0 +1,314 @@
+"""A learner job of several ranks (``torchrun --nproc_per_node=K -m turnscale learner ...``).
+
+Rank 0 runs the whole learner service (``learner.service``: sockets, leases, validation,
+staleness, weight publication, checkpoints, metrics) with a ``RankedTrainer`` in place of
+its ``Trainer``; ranks 1..K-1 (followers) run only a ``Trainer`` in ``follow``.  Every rank
+holds a full replica of the model under DDP (``accelerate``): rank 0 alone publishes
+weights and writes checkpoints, which need no collective under DDP (FSDP and DeepSpeed,
+whose state dicts are gathered by every rank, are refused with a clear error).
+
+Rank 0 talks to the followers over ``RankChannel``: protocol records encoded by
+``protocol.codec`` into one frame, sent over torch.distributed on a gloo group of its own
+as a length (``[1] int64``) then the bytes (``[n] uint8``) — never pickle.  The order:
+
+1. ``RankStart(model_path)`` before any ``Trainer`` is built (rank 0 resolves, or builds,
+   the model folder; every rank loads that one);
+2. ``RankResume(path)`` when rank 0 resumes from a checkpoint: every rank loads the
+   same trainer state (DDP broadcast the initial weights only; optimizer state is per rank);
+3. per optimizer step, ``RankShare`` to each follower: rank 0 splits the step's groups by
+   tokens (``split_by_tokens``: whole groups, never split), sends each follower its share,
+   then every rank runs ``Trainer.train_step`` on its share (the DDP step; the trainer's
+   invariant of equal forward/backward counts holds whatever the shares), then one
+   all-reduce on the channel group sums each group's behaviour-gap sums into rank 0's
+   ``last_group_gaps`` (per-pool metrics over the whole batch);
+4. ``RankStop(reason)`` when rank 0's service ends, normally or not; followers exit.
+   Followers ignore SIGTERM (``learner.main``): on ``scancel`` torchrun passes it to every
+   rank, rank 0 finishes its step, checkpoints and sends ``RankStop``; torchrun SIGKILLs
+   whatever is left after its grace period.
+
+While rank 0 waits for groups its keep-alive thread sends ``RankPing`` whenever the
+channel was quiet for a quarter of ``learner.rank_timeout_s`` (the channel group's gloo
+timeout), so a follower's wait for the next record never times out while rank 0 lives
+(gloo cannot wait longer than its timeout, nor poll a pending receive).  One lock
+serialises the channel: a step, a resume, a ping, the stop.
+
+Failures: a follower that dies closes its gloo connections, so rank 0's next send or
+collective raises (a ping while idle, or the next step) and rank 0 fails with
+``RankError`` naming the rank; a follower that neither dies nor answers is given up after
+``learner.rank_timeout_s`` with the same error.  A follower whose rank 0 is gone fails
+its wait the same way, within ``learner.rank_timeout_s``.  Under torchrun, the first
+rank to exit ends the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from turnscale.learner.poolgap import GroupGap
+from turnscale.protocol import codec
+from turnscale.protocol.errors import TurnscaleError
+from turnscale.protocol.messages import RankPing, RankResume, RankShare, RankStart, RankStop, TrajectoryGroup
+
+log = logging.getLogger("turnscale.learner")
+
+__all__ = ["RankChannel", "RankError", "RankedTrainer", "connect", "follow", "split_by_tokens"]
+
+_NO_OUT_OF_BAND = 1 << 62
+"""``codec.encode(out_of_band_bytes=...)``: every array inline, so a record is one frame."""
+
+class RankError(TurnscaleError):
+    """A learner rank died, or did not take its part of a step in time."""
+
+
+def split_by_tokens(tokens: Sequence[int], world: int) -> list[list[int]]:
+    """Indices of the step's groups for each of ``world`` ranks, balanced by ``tokens``
+    (each group's token count): largest group first to the least-loaded rank (ties: lower
+    rank).  Groups are never split; each share keeps batch order.  With fewer groups than
+    ranks some shares are empty (those ranks train zero-weight micro-batches)."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    load = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(tokens)), key=lambda i: (-int(tokens[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += int(tokens[i])
+    return [sorted(s) for s in shares]
+
+
+def group_tokens(group: TrajectoryGroup) -> int:
+    """Tokens of all episodes of ``group`` (what a rank's forward computes)."""
+    return sum(len(ep.token_ids) for ep in group.episodes)
+
+
+class RankChannel:
+    """Codec records between rank 0 and the followers on a gloo group of their own
+    (see the module docstring).  ``limits`` bound what a follower accepts."""
+
+    def __init__(self, group: Any, rank: int, world: int, limits: codec.Limits) -> None:
+        self.group, self.rank, self.world, self.limits = group, rank, world, limits
+
+    def send(self, dst: int, msg: Any) -> None:
+        """Rank 0: ``msg`` to follower ``dst``; ``RankError`` when it cannot take it."""
+        import torch.distributed as dist
+
+        frames = codec.encode(msg, out_of_band_bytes=_NO_OUT_OF_BAND)
+        if len(frames) != 1:
+            raise AssertionError(f"{type(msg).__name__} encoded to {len(frames)} frames; expected one")
+        data = torch.from_numpy(np.frombuffer(bytes(frames[0]), dtype=np.uint8).copy())
+        try:
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=self.group)
+            dist.send(data, dst, group=self.group)
+        except (RuntimeError, dist.DistError) as exc:
+            raise _lost(dst, f"sending it {type(msg).__name__}", exc) from exc
+
+    def recv(self) -> Any:
+        """Follower: the next record from rank 0 (at most ``learner.rank_timeout_s``: rank 0
+        pings idle followers well within it)."""
+        import torch.distributed as dist
+
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, 0, group=self.group)
+        size = int(n[0])
+        if not 0 < size <= self.limits.max_message_bytes:
+            raise RankError(f"rank 0 announced a {size}-byte message; the limit is {self.limits.max_message_bytes} "
+                            f"(learner.max_message_mb)")
+        data = torch.empty(size, dtype=torch.uint8)
+        dist.recv(data, 0, group=self.group)
+        return codec.decode([data.numpy().tobytes()], self.limits, expect=(RankStart, RankResume, RankShare, RankStop, RankPing))
+
+    def broadcast(self, msg: Any) -> None:
+        """Rank 0: ``msg`` to every follower."""
+        for dst in range(1, self.world):
+            self.send(dst, msg)
+
+    def sum_gaps(self, gaps: Sequence[GroupGap], indices: Sequence[int], total: int) -> list[GroupGap]:
+        """Every rank: its groups' gap sums (``gaps[k]`` for batch position ``indices[k]``)
+        all-reduced into one list over the whole batch (a collective; [] when any rank
+        reports none, as ``algo=sft`` does)."""
+        import torch.distributed as dist
+
+        t = torch.zeros(total + 1, 3, dtype=torch.float64)
+        if len(gaps) == len(indices):
+            for i, g in zip(indices, gaps):
+                t[i] = torch.tensor([g.tokens, g.abs_gap_sum, g.weight_sum], dtype=torch.float64)
+        else:
+            t[total, 0] = 1.0  # this rank has no gaps
+        try:
+            dist.all_reduce(t, group=self.group)
+        except (RuntimeError, dist.DistError) as exc:
+            raise _lost(None, "summing the step's per-group metrics", exc) from exc
+        if t[total, 0] > 0:
+            return []
+        return [GroupGap(*map(float, row)) for row in t[:total]]
+
+
+def _distributed_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a collective with a lost rank (gloo and NCCL raise plain
+    ``RuntimeError`` naming themselves, or torch's ``DistError``)."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or "gloo" in text or "NCCL" in text or "HCCL" in text
+
+
+def _lost(rank: int | None, doing: str, exc: BaseException) -> RankError:
+    who = f"learner rank {rank}" if rank is not None else "a learner rank"
+    return RankError(f"{who} failed while rank 0 was {doing}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}. "
+                     f"A follower rank died or hung (learner.rank_timeout_s); its own log (torchrun prints each rank's "
+                     f"exit) says why.  Restart the job with learner.resume=true to continue from the last checkpoint.")
+
+
+def connect(cfg: Any) -> RankChannel | None:
+    """The channel of a learner started under torchrun with several ranks (``WORLD_SIZE`` >
+    1), after initialising torch.distributed the way accelerate does; None for one rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    PartialState(cpu=cfg.learner.device.partition(":")[0] == "cpu")  # initialises the default group
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.learner.rank_timeout_s))
+    mb = int(cfg.learner.max_message_mb * (1 << 20)) * max(1, cfg.learner.groups_per_step)
+    limits = codec.Limits(max_message_bytes=mb, max_array_bytes=mb, max_header_bytes=mb)
+    return RankChannel(group, dist.get_rank(), dist.get_world_size(), limits)
+
+
+class RankedTrainer:
+    """Rank 0's trainer of a multi-rank learner: ``service.TrainerLike`` over every rank
+    (see the module docstring); everything else is the local ``Trainer``'s."""
+
+    def __init__(self, trainer: Any, channel: RankChannel, timeout_s: float) -> None:
+        kind = str(trainer.accelerator.distributed_type).upper()
+        if "FSDP" in kind or "DEEPSPEED" in kind:
+            raise RankError(f"a multi-rank learner needs replicated weights (DDP); accelerate runs {kind}. "
+                            f"Launch with torchrun (or accelerate launch without FSDP/DeepSpeed).")
+        self.trainer, self.channel = trainer, channel
+        self.last_group_gaps: list[GroupGap] = []
+        self._lock = threading.Lock()
+        """Held while rank 0 uses the channel: a step, a resume, a ping, the stop."""
+        self._last_sent = time.monotonic()
+        self._failed: RankError | None = None
+        self._closed = threading.Event()
+        self._ping_every_s = timeout_s / 4
+        threading.Thread(target=self._keepalive, name="rank-keepalive", daemon=True).start()
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def __getattr__(self, name: str) -> Any:  # tokenizer, hf_model, state_writer, ...
+        return getattr(self.trainer, name)
+
+    def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+        """One optimizer step on ``groups`` across all ranks.  The trainer's ``loss/*`` and
+        ``perf/*`` metrics are rank 0's share's (the service's ``perf/tokens_trained`` and
+        the per-pool gaps cover the whole batch); ``perf/learner_ranks`` counts the ranks."""
+        shares = split_by_tokens([group_tokens(g) for g in groups], self.channel.world)
+        with self._lock:
+            self._check()
+            for dst in range(1, self.channel.world):
+                self.channel.send(dst, RankShare(step=self.trainer.step, total_groups=len(groups), indices=shares[dst],
+                                                 groups=[groups[i] for i in shares[dst]]))
+            try:
+                out = self.trainer.train_step([groups[i] for i in shares[0]])
+            except RuntimeError as exc:
+                if not _distributed_failure(exc):  # e.g. out of memory: rank 0's own error, as it is
+                    raise
+                raise _lost(None, "training a step (DDP)", exc) from exc
+            self.last_group_gaps = self.channel.sum_gaps(self.trainer.last_group_gaps, shares[0], len(groups))
+            self._last_sent = time.monotonic()
+        out["perf/learner_ranks"] = float(self.channel.world)
+        return out
+
+    def load_state(self, path: str) -> int:
+        """Resume every rank from the checkpoint at ``path``."""
+        with self._lock:
+            self._check()
+            self.channel.broadcast(RankResume(path=path))
+            self._last_sent = time.monotonic()
+        return self.trainer.load_state(path)
+
+    def stop(self, reason: str) -> None:
+        """Tell every follower to exit; a follower already gone is only logged."""
+        self._closed.set()
+        with self._lock:
+            if self._failed is not None:
+                return
+            for dst in range(1, self.channel.world):
+                try:
+                    self.channel.send(dst, RankStop(reason=reason))
+                except RankError as exc:
+                    log.warning("could not stop learner rank %d: %s", dst, exc)
+
+    async def watch(self) -> None:
+        """Raise the keep-alive's ``RankError`` (checked every half second) so the service
+        stops at once when a follower is lost while it waits for groups."""
+        import trio
+
+        while True:
+            await trio.sleep(0.5)
+            self._check()
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _keepalive(self) -> None:
+        """``RankPing`` to every follower when the channel has been quiet for a quarter of
+        ``learner.rank_timeout_s`` (rank 0 waiting for groups), so a follower's wait never
+        times out while rank 0 lives, and a follower that died is noticed while idle (the
+        next step raises its ``RankError``)."""
+        while not self._closed.wait(min(1.0, self._ping_every_s)):
+            with self._lock:
+                if self._failed is not None or self._closed.is_set():
+                    return
+                if time.monotonic() - self._last_sent < self._ping_every_s:
+                    continue
+                try:
+                    self.channel.broadcast(RankPing(step=self.trainer.step))
+                except RankError as exc:
+                    self._failed = exc
+                    log.error("%s", exc)
+                    return
+                self._last_sent = time.monotonic()
+
+
+def follow(cfg: Any, channel: RankChannel) -> int:
+    """A follower rank: build the trainer ``RankStart`` names, then train each share until
+    ``RankStop``; returns the exit code (0)."""
+    from turnscale.learner.trainer import Trainer
+
+    start = channel.recv()
+    if not isinstance(start, RankStart):
+        raise RankError(f"rank {channel.rank}: expected RankStart first, got {type(start).__name__}")
+    if start.world_size != channel.world:
+        raise RankError(f"rank 0 counts {start.world_size} ranks, this rank {channel.world}")
+    trainer = Trainer(cfg, start.model_path)
+    log.info("learner rank %d/%d ready (%s)", channel.rank, channel.world, start.model_path)
+    while True:
+        msg = channel.recv()
+        if isinstance(msg, RankStop):
+            log.info("learner rank %d stops (%s) at step %d", channel.rank, msg.reason, trainer.step)
+            return 0
+        if isinstance(msg, RankPing):
+            continue
+        if isinstance(msg, RankResume):
+            trainer.load_state(msg.path)
+            log.info("learner rank %d resumed from %s at step %d", channel.rank, msg.path, trainer.step)
+        elif isinstance(msg, RankShare):
+            if msg.step != trainer.step:
+                raise RankError(f"rank {channel.rank} is at step {trainer.step}, rank 0 at {msg.step}")
+            trainer.train_step(msg.groups)
+            channel.sum_gaps(trainer.last_group_gaps, msg.indices, msg.total_groups)
+        else:
+            raise RankError(f"rank {channel.rank}: unexpected {type(msg).__name__}")
