@@ -8,7 +8,8 @@ connection to the learner) with these named tasks:
   ``group_size`` env sessions from the pool, play the group (episodes concurrently),
   send it and wait for its ``GroupAck``;
 - ``heartbeat``: every ``heartbeat_interval_s`` names the live leases; leases the learner
-  no longer holds are cancelled (abandoned);
+  no longer holds are cancelled (abandoned); it starts before the session's first pull, so
+  a long first pull does not make the learner forget the actor;
 - ``announcements``: SUB to the learner's PUB; a newer ``PolicyAnnouncement`` becomes the
   weight target, ``Shutdown`` starts a graceful stop (a ``Shutdown`` *reply* to a
   ``Hello``, ``LeaseRequest`` or ``Heartbeat`` does the same: PUB is lossy and a
@@ -388,15 +389,17 @@ class Actor:
             weights = AsyncSocket(configure(self._ctx.socket(zmq.DEALER), curve=self._keys()))
             weights.sock.connect(w_ep)
             self.weight_path.open_session(self._ctx, self.curve)
-            try:
-                with trio.fail_after(max(30.0, self.cfg.request_timeout_s)):
-                    await self._first_pull(weights, sub)  # current weights before the first lease
-            except (trio.TooSlowError, TurnscaleError) as exc:
-                raise LearnerLost(f"initial weight pull failed: {exc}") from None
             async with trio.open_nursery() as n:
+                # heartbeats first: a first pull longer than the learner's actor timeout (big
+                # weights, a slow link) must not make the learner forget this actor
+                n.start_soon(self._heartbeat, req, name="heartbeat")
+                try:
+                    with trio.fail_after(max(30.0, self.cfg.request_timeout_s)):
+                        await self._first_pull(weights, sub)  # current weights before the first lease
+                except (trio.TooSlowError, TurnscaleError) as exc:
+                    raise LearnerLost(f"initial weight pull failed: {exc}") from None
                 n.start_soon(self._announcements, sub, name="announcements")
                 n.start_soon(self._weights, weights, name="weights")
-                n.start_soon(self._heartbeat, req, name="heartbeat")
                 await self._lease_loop(req, n)
                 await self._goodbye(req)
                 n.cancel_scope.cancel()

@@ -674,3 +674,37 @@ def test_a_first_pull_of_a_retired_version_pulls_the_newest_announced_without_re
     assert refused == [0]  # asked once, then the newest announced version
     assert actor.stats.sessions == 1  # no second Hello
     assert engine.applied[0] == 1 and actor.stats.weight_failures == 1
+
+
+def test_heartbeats_run_during_the_first_pull_so_a_long_pull_keeps_the_actor_registered():
+    """A first pull longer than the learner's actor timeout (big weights over a slow link)
+    must not make the learner forget the actor: heartbeats start before the first pull."""
+    from turnscale.protocol.messages import Heartbeat
+
+    cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 1, "learner.heartbeat_interval_s": 0.05})
+    svc = LearnerService(cfg, ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict,
+                                           schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.5, 0.1
+    actor = make_actor(cfg, FakeEnvClient(), ChecksumEngine(size=SIZE))
+    pulling, beats_while_pulling, first = [], [], [True]
+    request = actor._request
+
+    async def spy_request(req, msg, expect):
+        if isinstance(msg, Heartbeat) and pulling:
+            beats_while_pulling.append(msg)
+        return await request(req, msg, expect)
+
+    async def slow_first_pull(sock, manifest, timeout_s, buffer):
+        if first[0]:
+            first[0] = False
+            pulling.append(manifest.version)
+            with trio.move_on_after(3.0):  # bounded: ends once three heartbeats went out
+                while len(beats_while_pulling) < 3:
+                    await trio.sleep(0.02)
+            pulling.clear()
+        return await fake_pull(sock, manifest, timeout_s, buffer)
+
+    actor._request = spy_request
+    actor.deps.pull = slow_first_pull
+    run_to_shutdown(svc, actor)
+    assert len(beats_while_pulling) >= 3 and actor.stats.sessions == 1
