@@ -632,6 +632,10 @@ class RunConfig:
     what the levels need, warm-start in rounds until RL has signal (``turnscale/recipe.py``)."""
     adapt_max_turns: int = 32
     """Cap on the oracle's turns in the survey (and on the fitted turn limits)."""
+    adapt_loss_agg: str = "seq_mean_token_mean"
+    """``algo.loss_agg`` when the fit stretches the turn limits (empty: keep ``algo.loss_agg``).
+    Long multi-turn failures outweigh short successes under a plain token mean; on a
+    KeyInBox mix stretched to 16 turns, token_mean collapsed (README, Measured)."""
     timeout_s: float = 1800.0
     """The whole run is stopped (children by pid) after this long."""
     actor_python: str = ""
@@ -642,6 +646,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require(self.actors >= 1, "run.actors", "must be >= 1")
         _require(self.adapt_max_turns >= 1, "run.adapt_max_turns", "must be >= 1")
+        _require(self.adapt_loss_agg in ("", "token_mean", "seq_mean_token_mean"), "run.adapt_loss_agg",
+                 f"{self.adapt_loss_agg!r}; choose '', token_mean or seq_mean_token_mean")
         for key in ("warmup_seeds", "train_seeds", "test_seeds"):
             a, sep, b = getattr(self, key).partition(":")
             _require(sep == ":" and a.isdigit() and b.isdigit() and int(a) < int(b), f"run.{key}", "a seed range 'a:b' with a < b")

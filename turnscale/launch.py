@@ -271,6 +271,10 @@ class Launcher:
         if f.changed:
             cfg.schedule = dataclasses.replace(cfg.schedule, turns=list(f.schedule))
             cfg.run = dataclasses.replace(cfg.run, eval_turns=f.eval_turns)
+            if cfg.run.adapt_loss_agg and cfg.run.adapt_loss_agg != cfg.algo.loss_agg:
+                self.say(f"recipe: algo.loss_agg {cfg.algo.loss_agg} -> {cfg.run.adapt_loss_agg} for long episodes "
+                         f"(run.adapt_loss_agg; every episode weighs the same, whatever its length)")
+                cfg.algo = dataclasses.replace(cfg.algo, loss_agg=cfg.run.adapt_loss_agg)
         cfg.run.warm_start = dataclasses.replace(cfg.run.warm_start, max_turns=f.max_turns)
         self.say(f"recipe: turn limits {cfg.schedule.turns} every {cfg.schedule.every} steps, evaluation within "
                  f"{cfg.run.eval_turns} turns, warm-start episodes up to {f.max_turns} turns")

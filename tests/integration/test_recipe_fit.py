@@ -27,6 +27,7 @@ def test_a_long_mix_gets_longer_turn_limits_and_the_context_to_hold_them(tmp_pat
     cfg, recipe = launcher.cfg, launcher.recipe
     assert recipe["fit"]["changed"] and max(cfg.schedule.turns) == recipe["fit"]["horizon"] > 8
     assert cfg.run.eval_turns == max(cfg.schedule.turns) and cfg.run.warm_start.max_turns >= cfg.run.eval_turns
+    assert cfg.algo.loss_agg == "seq_mean_token_mean"  # run.adapt_loss_agg for stretched turn limits
     c = recipe["context"]
     assert c["tokens"] == cfg.sampling.max_context_tokens >= 2048
     assert c["first_prompt"] + c["horizon"] * c["per_turn"] <= c["tokens"] or c["tokens"] == 4096
@@ -37,4 +38,4 @@ def test_the_default_goto_mix_keeps_the_calibrated_turn_limits_and_context(tmp_p
     launcher = _prepared(tmp_path, "[0,1,2,3,4]")
     assert launcher.cfg.schedule.turns == [3, 5, 8] and launcher.cfg.run.eval_turns == 3
     assert launcher.cfg.sampling.max_context_tokens == 2048 and launcher.recipe["context"] is None
-    assert not launcher.recipe["fit"]["changed"]
+    assert not launcher.recipe["fit"]["changed"] and launcher.cfg.algo.loss_agg == "token_mean"
