@@ -203,9 +203,10 @@ class Launcher:
         adapt = (rc.adapt if adapt is None else adapt) and env.name == "babyai"
         ids_of, mix = run_task_mix(env)
         tasks_dir = self.dir / "tasks"
+        train_ids = ids_of(rc.train_seeds)
         files = {
             "warmup": write_tasks(tasks_dir / "warmup.json", ids_of(rc.warmup_seeds)),
-            "train": write_tasks(tasks_dir / "train.json", ids_of(rc.train_seeds)),
+            "train": write_tasks(tasks_dir / "train.json", train_ids),
             "test": write_tasks(tasks_dir / "test.json", ids_of(rc.test_seeds)),
         }
         sft_path = self.dir / "warmstart" / "conversations.jsonl"
@@ -214,9 +215,8 @@ class Launcher:
         runs = list(oracle_runs(env.name, warm_ids, max_turns=cap, options=dict(env.options)))
         if adapt:
             self.fit_recipe(runs, cap)
-            train = json.loads(Path(files["train"]).read_text())
             n_levels = len(self.recipe["survey"])
-            files["probe"] = write_tasks(tasks_dir / "probe.json", train[: n_levels * rc.warm_start.probe_tasks_per_level])
+            files["probe"] = write_tasks(tasks_dir / "probe.json", train_ids[: n_levels * rc.warm_start.probe_tasks_per_level])
         n = write_conversations(sft_path, conversations_from_runs(env.name, runs, self.cfg.run.warm_start.max_turns))
         self.say(f"warm start data: {n} oracle conversations on {mix} -> {sft_path}")
         model_path = ensure_model(self.cfg.model, lambda: corpus_from_conversations(sft_path))

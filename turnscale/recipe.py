@@ -197,12 +197,13 @@ class Advice:
 def advice(success: dict[str, float], group_size: int, min_mixed: float, rounds_left: int) -> Advice:
     """What the launcher does after a warm-start round with per-level probe ``success``."""
     mixed = predicted_mixed(success, group_size)
+    solved = bool(success) and all(p >= 0.95 for p in success.values())
     if mixed >= min_mixed:
         return Advice("enough", f"predicted {mixed:.0%} of groups with mixed rewards (>= {min_mixed:.0%}): RL has signal")
-    if rounds_left > 0 and not all(p >= 0.95 for p in success.values()):
+    if rounds_left > 0 and not solved:
         return Advice("more_sft", f"predicted {mixed:.0%} of groups with mixed rewards (< {min_mixed:.0%}): another SFT round")
     dead = sorted(lvl for lvl, p in success.items() if mixed_fraction(p, group_size) < 0.1)
-    if success and all(p >= 0.95 for p in success.values()):
+    if solved:
         cause = "the warm start already solves almost every task: make the mix harder or evaluate within fewer turns"
     else:
         cause = ("the warm start rarely succeeds: raise run.warm_start.rounds/steps/episodes, algo.group_size, "
