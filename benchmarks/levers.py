@@ -93,11 +93,12 @@ def table(rows: list[dict]) -> str:
         runs = r["runs"]
         w, f = mean_sd([x["warm"] for x in runs]), mean_sd([x["final"] for x in runs])
         g = mean_sd([x["final"] - x["warm"] for x in runs])
+        gains = ", ".join(f"{x['final'] - x['warm']:+.3f}" for x in runs)
         levels = sorted({k for x in runs for k in x["by_level"]})
         per_level = ", ".join(f"{k.removeprefix('BabyAI-').removesuffix('-v0')} "
                               f"{sum(x['by_level'].get(k, 0) for x in runs) / len(runs):.2f}" for k in levels)
         lines.append(f"| {r['what']} (`{r['lever']}`) | {len(runs)} | {w[0]:.3f} ± {w[1]:.3f} | {f[0]:.3f} ± {f[1]:.3f} | "
-                     f"{g[0]:+.3f} ± {g[1]:.3f} | {', '.join(f'{x['final'] - x['warm']:+.3f}' for x in runs)} | "
+                     f"{g[0]:+.3f} ± {g[1]:.3f} | {gains} | "
                      f"{sum(x['wall_s'] for x in runs) / len(runs):.0f} s | {per_level} |")
     return "\n".join(lines)
 
