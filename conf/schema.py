@@ -524,7 +524,8 @@ class WarmStartConfig:
     lr: float = 3e-3
     batch_episodes: int = 16
     rounds: int = 1
-    """With ``run.adapt``: up to this many SFT rounds of ``steps`` each, stopping once a probe
+    """With ``run.adapt``: up to this many SFT rounds, round k training ``steps * 2**(k-1)``
+    more steps (``recipe.round_steps``), stopping once a probe
     on training tasks predicts at least ``min_mixed`` of GRPO groups with mixed rewards
     (``turnscale/recipe.py``)."""
     min_mixed: float = 0.3

@@ -286,15 +286,18 @@ class Launcher:
         """One SFT round from ``model_path``; the model directory of its checkpoint."""
         from turnscale.learner import checkpoint
 
+        from turnscale.recipe import round_steps
+
         ws = self.cfg.run.warm_start
+        steps = round_steps(ws.steps, round_)
         out = self.dir / "warmstart" / (f"round-{round_}" if round_ > 1 else "")
         args = ["learner", "algo=sft"] + child_overrides(
             self.cfg, ["model", "sampling", "logger"],
-            model__path=model_path, algo__lr=ws.lr, learner__dir=str(out), learner__steps=ws.steps,
-            learner__groups_per_step=ws.batch_episodes, learner__sft_data=sft_path, learner__checkpoint_every=ws.steps,
+            model__path=model_path, algo__lr=ws.lr, learner__dir=str(out), learner__steps=steps,
+            learner__groups_per_step=ws.batch_episodes, learner__sft_data=sft_path, learner__checkpoint_every=steps,
             learner__keep_checkpoints=1, learner__seed=self.cfg.learner.seed + round_ - 1, logger__tensorboard=False,
         )
-        self.say(f"warm start{f' round {round_}' if ws.rounds > 1 else ''}: SFT, {ws.steps} steps of {ws.batch_episodes} conversations")
+        self.say(f"warm start{f' round {round_}' if ws.rounds > 1 else ''}: SFT, {steps} steps of {ws.batch_episodes} conversations")
         self.wait(self.procs.start(f"warmstart{f'-{round_}' if round_ > 1 else ''}", args), "warm start (turnscale learner algo=sft)")
         ck = checkpoint.latest(str(out / "checkpoints"))
         if ck is None:
@@ -319,7 +322,7 @@ class Launcher:
             doc = self.evaluate_doc(f"probe_warm_start_{k}", model, files["probe"], env_url, [turns], samples=1)
             success = success_by_category(doc, turns)
             adv = recipe.advice(success, group, ws.min_mixed, ws.rounds - k)
-            self.recipe["rounds"].append({"round": k, "sft_steps": k * ws.steps, "turn_limit": turns, "success": success,
+            self.recipe["rounds"].append({"round": k, "sft_steps": sum(recipe.round_steps(ws.steps, j) for j in range(1, k + 1)), "turn_limit": turns, "success": success,
                                           "predicted_mixed": recipe.predicted_mixed(success, group)})
             self.recipe["advice"] = dataclasses.asdict(adv)
             self.say(f"warm start round {k}: probe success " + ", ".join(f"{lvl.removeprefix('BabyAI-')} {p:.2f}" for lvl, p in success.items())

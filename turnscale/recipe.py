@@ -173,6 +173,16 @@ def fit_context(lengths: Sequence[tuple[int, int, int]], horizon: int, configure
                       f"positions: turn limits capped at {fits} (a model with more positions would allow more)")
 
 
+def round_steps(steps: int, round_: int) -> int:
+    """SFT steps of warm-start round ``round_`` (1-based): ``steps`` doubled each round, so
+    round k ends at ``steps * (2**k - 1)`` cumulative steps.  A round that did not give RL
+    signal needs a real change in the policy, not the same small nudge again (three equal
+    rounds of 20 left mix C's probe at 0)."""
+    if steps < 0 or round_ < 1:
+        raise ValueError(f"round_steps: steps must be >= 0 and round_ >= 1, got {steps}, {round_}")
+    return steps * 2 ** (round_ - 1)
+
+
 def mixed_fraction(p: float, group_size: int) -> float:
     """Probability that a group of ``group_size`` independent episodes with success
     probability ``p`` has both a success and a failure (non-zero GRPO advantage)."""

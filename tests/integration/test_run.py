@@ -58,6 +58,11 @@ def test_short_run_writes_summary_plots_metrics_trajectories_and_checkpoint_and_
     assert recipe["fit"]["changed"] is False and summary["config"]["schedule"]["turns"] == [3, 5, 8]
     assert 1 <= len(recipe["rounds"]) <= 2 and recipe["advice"]["verdict"] in ("enough", "warn")
     assert all(len(r["success"]) == 5 and 0.0 <= r["predicted_mixed"] <= 1.0 for r in recipe["rounds"])
+    # each round trains twice the steps of the one before: 3, then 6 more (9 in all)
+    assert [r["sft_steps"] for r in recipe["rounds"]] == [3, 9][: len(recipe["rounds"])]
+    if len(recipe["rounds"]) == 2:
+        sft_rows = (run_dir / "warmstart" / "round-2" / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(sft_rows[-1])["step"] == 6
     assert (len(recipe["rounds"]) == 2) == (recipe["advice"]["verdict"] == "warn" or recipe["rounds"][0]["predicted_mixed"] < 0.3)
     assert len(summary["warm_start"]["by_category"]) == 5
 

@@ -109,3 +109,11 @@ def test_a_horizon_beyond_the_models_positions_is_capped_to_what_fits_and_said()
 def test_no_usable_conversation_keeps_the_configured_context():
     c = recipe.fit_context([(10, 10, 0)], horizon=12, configured=2048, model_max=4096)
     assert c.tokens == 2048 and c.horizon == 12
+
+
+def test_each_warm_start_round_trains_twice_the_steps_of_the_one_before():
+    assert [recipe.round_steps(20, k) for k in (1, 2, 3)] == [20, 40, 80]
+    assert sum(recipe.round_steps(20, k) for k in (1, 2, 3)) == 20 * (2 ** 3 - 1)
+    assert recipe.round_steps(0, 3) == 0
+    with pytest.raises(ValueError, match="round_ >= 1"):
+        recipe.round_steps(20, 0)
