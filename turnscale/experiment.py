@@ -131,8 +131,16 @@ def _success_curve(metrics_path: Path) -> list[float]:
     return [float(r["rollout/success"]) for r in read_metrics(metrics_path) if "rollout/success" in r]
 
 
-def run_seed(base: Config, seed: int, arms: Sequence[str], eval_turns: Sequence[int], out: Path) -> list[dict]:
-    """Warm start once for ``seed``, then each arm's RL and held-out evals; one record per arm."""
+def run_seed(base: Config, seed: int, arms: Sequence[str], eval_turns: Sequence[int] | None,
+             out: Path) -> tuple[list[dict], Config, list[int]]:
+    """Warm start once for ``seed``, then each arm's RL and held-out evals: one record per arm,
+    the config the arms derive from and the eval limits used.
+
+    With ``run.adapt`` the shared part is ``turnscale run``'s: the recipe is fitted to the level
+    mix (turn limits, context, loss aggregation; ``turnscale/recipe.py``) and the warm start
+    runs in probed rounds, so the arms are the fitted schedule, its first stage and its last
+    stage.  A mix the calibrated schedule covers keeps it (the GoTo default).  ``eval_turns``
+    None: the (fitted) schedule's limits."""
     from turnscale.learner import checkpoint
     from turnscale.launch import Launcher
 
@@ -141,9 +149,12 @@ def run_seed(base: Config, seed: int, arms: Sequence[str], eval_turns: Sequence[
                               learner=dataclasses.replace(base.learner, seed=seed))
     shared = Launcher(cfg)
     try:
-        files, sft_path, model_path = shared.prepare(adapt=False)  # the arms set their own turn limits
-        warm_model = shared.warm_start(model_path, sft_path) if cfg.run.warm_start.steps > 0 else model_path
+        files, sft_path, model_path = shared.prepare()
+        cfg = shared.cfg  # fitted to the mix when run.adapt changed anything
+        eval_turns = list(eval_turns) if eval_turns else sorted(set(cfg.schedule.turns))
         env_url = shared.start_envhub()
+        warm_model = (shared.warm_start_until_signal(model_path, sft_path, files, env_url)
+                      if cfg.run.warm_start.steps > 0 else model_path)
         warm = shared.evaluate_turns("eval_warm_start", warm_model, files["test"], env_url, eval_turns)
         records = []
         for arm in arms:
@@ -165,10 +176,10 @@ def run_seed(base: Config, seed: int, arms: Sequence[str], eval_turns: Sequence[
             records.append({"arm": arm, "seed": seed, "turns": turns, "every": every, "wall_s": wall,
                             "warm_start": {str(t): v["success"] for t, v in warm.items()},
                             "final": {str(t): v["success"] for t, v in final.items()},
-                            "train_success": curve, "collapses": collapse_events(curve)})
+                            "train_success": curve, "collapses": collapse_events(curve), "recipe": shared.recipe})
             shared.say(f"seed {seed} {arm}: " + ", ".join(f"{final[t]['success']:.3f}@{t}" for t in eval_turns)
                        + f" (warm start " + ", ".join(f"{warm[t]['success']:.3f}@{t}" for t in eval_turns) + f"), {wall:.0f}s")
-        return records
+        return records, cfg, eval_turns
     finally:
         shared.procs.close()
 
@@ -202,18 +213,20 @@ def main(argv: Sequence[str] = ()) -> int:
     if not any(o.lstrip("+").startswith("experiment=") for o in overrides):
         overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
     cfg = conf.load(overrides)
-    eval_turns = args.eval_turns or sorted(set(cfg.schedule.turns))
+    eval_turns = args.eval_turns
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
+    fitted = cfg
     try:
         for seed in args.seeds:
-            runs.extend(run_seed(cfg, seed, arms, eval_turns, out))
-            _write(out, runs, eval_turns, cfg)  # partial results survive a later failure
+            records, fitted, eval_turns = run_seed(cfg, seed, arms, eval_turns, out)  # later seeds use the first's limits
+            runs.extend(records)
+            _write(out, runs, eval_turns, fitted)  # partial results survive a later failure
     except (ChildFailed, RuntimeError) as exc:
         print(f"turnscale experiment: {exc}", file=sys.stderr)
         return 1
-    rows = _write(out, runs, eval_turns, cfg)
+    rows = _write(out, runs, eval_turns, fitted)
     print("\n" + table(rows))
     print(f"wrote {out / 'experiment.json'}, {plot(rows, out / 'schedules.png')}")
     return 0

@@ -18,7 +18,8 @@ def test_schedule_experiment_runs_each_arm_on_the_same_warm_start_and_budget(tmp
     proc = subprocess.run(
         [sys.executable, "-m", "turnscale", "experiment", "--seeds", "0", "--eval-turns", "2,4", "--arms", "scaling,short",
          "--out", str(out), f"model.cache_dir={tmp_path / 'models'}", "learner.steps=4", "schedule.turns=[2,4]",
-         "schedule.every=1", "run.warm_start.steps=2", "run.warm_start.episodes=20", "run.test_seeds=1000:1001",
+         "schedule.every=1", "run.warm_start.steps=2", "run.warm_start.episodes=20", "run.warm_start.rounds=1",
+         "run.warm_start.probe_tasks_per_level=1", "run.test_seeds=1000:1001",
          "logger.console_every_s=0"],
         capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -32,5 +33,10 @@ def test_schedule_experiment_runs_each_arm_on_the_same_warm_start_and_budget(tmp
     assert set(limits) == {2}  # the fixed arm never raised its limit
     limits = [json.loads(line)["rollout/turn_limit"] for line in (out / "seed-0" / "scaling" / "learner" / "metrics.jsonl").read_text().splitlines()]
     assert 4 in limits
+    # the shared part is turnscale run's: the recipe was fitted (the GoTo mix keeps [2, 4]) and
+    # the warm start probed on training tasks
+    recipe = scaling["recipe"]
+    assert recipe["fit"]["changed"] is False and len(recipe["rounds"]) == 1 and recipe["advice"]["verdict"] in ("enough", "warn")
+    assert (out / "seed-0" / "probe_warm_start_1" / "eval.json").exists()
     assert (out / "schedules.png").stat().st_size > 0
     assert "held-out success" in proc.stdout
