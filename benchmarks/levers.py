@@ -34,6 +34,9 @@ LEVERS: dict[str, tuple[str, list[str]]] = {
     "sft60": ("SFT 60 steps", ["run.warm_start.steps=60"]),
     "sft100": ("SFT 100 steps", ["run.warm_start.steps=100"]),
     "sft300": ("SFT 300 steps (~ the RL steps' wall time more)", ["run.warm_start.steps=300"]),
+    "sft300_rl120": ("SFT 300 steps, then 120 RL steps", ["run.warm_start.steps=300", "learner.steps=120"]),
+    "sft900": ("SFT 900 steps (~ sft300_rl120's wall time; its warm start is the figure)",
+               ["run.warm_start.steps=900", "learner.steps=2"]),
     "group16": ("groups of 16, 2 per step (same episodes)", ["algo.group_size=16", "learner.groups_per_step=2"]),
     "groups8": ("8 groups x 8 per step (2x episodes)", ["learner.groups_per_step=8"]),
     "lr3e-4": ("lr 3e-4", ["algo.lr=3.0e-4"]),
@@ -47,8 +50,12 @@ def mean_sd(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def _cmd(out: Path, lever: str, seed: int, steps: int) -> list[str]:
+    """``turnscale run`` for one lever and seed; a lever that sets ``learner.steps`` itself
+    replaces the study's ``steps`` (Hydra refuses a key given twice)."""
+    overrides = LEVERS[lever][1]
+    own_steps = any(o.startswith("learner.steps=") for o in overrides)
     return [sys.executable, "-m", "turnscale", "run", f"run.dir={out / f'{lever}-s{seed}'}", f"learner.seed={seed}",
-            f"learner.steps={steps}", "logger.console_every_s=0", *LEVERS[lever][1]]
+            *([] if own_steps else [f"learner.steps={steps}"]), "logger.console_every_s=0", *overrides]
 
 
 def run_all(out: Path, levers: Sequence[str], seeds: Sequence[int], steps: int, parallel: int, timeout_s: float) -> None:
@@ -87,7 +94,7 @@ def collect(out: Path, levers: Sequence[str], seeds: Sequence[int]) -> list[dict
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| lever | seeds | warm start | after RL | gain | gains per seed | RL wall | after RL per level |",
+    lines = ["| lever | seeds | warm start | after RL | gain | gains per seed | run wall | after RL per level |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         runs = r["runs"]

@@ -19,6 +19,8 @@ def test_each_run_is_turnscale_run_with_its_seed_steps_and_the_levers_overrides(
     assert cmd[1:4] == ["-m", "turnscale", "run"]
     assert f"run.dir={tmp_path / 'layers4-s3'}" in cmd and "learner.seed=3" in cmd and "learner.steps=40" in cmd
     assert cmd[-1] == "model.tiny.num_layers=4"
+    own = levers._cmd(tmp_path, "sft300_rl120", 0, 40)  # its own learner.steps replaces the study's
+    assert [c for c in own if c.startswith("learner.steps=")] == ["learner.steps=120"]
 
 
 def test_table_gives_mean_and_sample_sd_of_gains_over_the_seeds_that_finished(tmp_path):
