@@ -19,7 +19,7 @@ def test_each_run_is_turnscale_run_with_its_seed_steps_and_the_levers_overrides(
     assert cmd[1:4] == ["-m", "turnscale", "run"]
     assert f"run.dir={tmp_path / 'layers4-s3'}" in cmd and "learner.seed=3" in cmd and "learner.steps=40" in cmd
     assert cmd[-1] == "model.tiny.num_layers=4"
-    own = levers._cmd(tmp_path, "sft300_rl120", 0, 40)  # its own learner.steps replaces the study's
+    own = levers._cmd(tmp_path, "sft100_rl120", 0, 40)  # its own learner.steps replaces the study's
     assert [c for c in own if c.startswith("learner.steps=")] == ["learner.steps=120"]
 
 
