@@ -31,6 +31,7 @@ LEVERS: dict[str, tuple[str, list[str]]] = {
     "layers4": ("4 layers x 128", ["model.tiny.num_layers=4"]),
     "wide": ("2 layers x 256 (heads 8/4, MLP 768)", ["model.tiny.hidden_size=256", "model.tiny.num_heads=8",
                                                      "model.tiny.num_kv_heads=4", "model.tiny.intermediate_size=768"]),
+    "layers4_sft100": ("4 layers x 128, SFT 100 steps", ["model.tiny.num_layers=4", "run.warm_start.steps=100"]),
     "sft60": ("SFT 60 steps", ["run.warm_start.steps=60"]),
     "sft100": ("SFT 100 steps", ["run.warm_start.steps=100"]),
     "sft300": ("SFT 300 steps (~ the RL steps' wall time more)", ["run.warm_start.steps=300"]),
