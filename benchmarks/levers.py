@@ -38,6 +38,8 @@ LEVERS: dict[str, tuple[str, list[str]]] = {
     "sft100_rl120": ("SFT 100 steps, then 120 RL steps", ["run.warm_start.steps=100", "learner.steps=120"]),
     "sft900": ("SFT 900 steps (~ sft100_rl120's wall time; its warm start is the figure)",
                ["run.warm_start.steps=900", "learner.steps=2"]),
+    "sft570": ("SFT 570 steps (sft100_rl120's measured wall time in SFT steps; its warm start is the figure)",
+               ["run.warm_start.steps=570", "learner.steps=2"]),
     "group16": ("groups of 16, 2 per step (same episodes)", ["algo.group_size=16", "learner.groups_per_step=2"]),
     "groups8": ("8 groups x 8 per step (2x episodes)", ["learner.groups_per_step=8"]),
     "lr3e-4": ("lr 3e-4", ["algo.lr=3.0e-4"]),
