@@ -4,8 +4,10 @@ Every run is the learning test's configuration (``turnscale run`` defaults, ``le
 RL steps, turn limits 3 -> 5) plus the lever's overrides; held-out success is the run's own
 400-episode evaluation within ``run.eval_turns`` (3), before RL (the warm start) and after.
 A lever that changes the warm start (more SFT steps, a bigger model) reports both, so the
-``sft*`` levers are also the "same wall time spent on more SFT" control: 40 RL steps take
-about as long as ~250-300 SFT steps here (0.6 s per SFT step, ~170 s per 40 RL steps).
+``sft*`` levers are also the "same wall time spent on more SFT" control.  Measured in the
+same runs (each run's own SFT and RL metrics): 40 RL steps at turn limits 3 -> 5 took as long
+as 76-186 SFT steps (median ~150), 120 RL steps (up to 8 turns) ~540; so SFT 100 + 40 RL
+steps is about SFT 250, and SFT 100 + 120 RL steps about SFT 640.
 
     python -m benchmarks.levers --seeds 0,1 --levers base,layers4,sft100,sft300,group16 --out runs/levers
 
@@ -34,11 +36,11 @@ LEVERS: dict[str, tuple[str, list[str]]] = {
     "layers4_sft100": ("4 layers x 128, SFT 100 steps", ["model.tiny.num_layers=4", "run.warm_start.steps=100"]),
     "sft60": ("SFT 60 steps", ["run.warm_start.steps=60"]),
     "sft100": ("SFT 100 steps", ["run.warm_start.steps=100"]),
-    "sft300": ("SFT 300 steps (~ the RL steps' wall time more)", ["run.warm_start.steps=300"]),
+    "sft300": ("SFT 300 steps (more than SFT 100 + 40 RL steps take)", ["run.warm_start.steps=300"]),
     "sft100_rl120": ("SFT 100 steps, then 120 RL steps", ["run.warm_start.steps=100", "learner.steps=120"]),
-    "sft900": ("SFT 900 steps (~ sft100_rl120's wall time; its warm start is the figure)",
+    "sft900": ("SFT 900 steps (~1.4x the wall time of sft100_rl120; its warm start is the figure)",
                ["run.warm_start.steps=900", "learner.steps=2"]),
-    "sft570": ("SFT 570 steps (sft100_rl120's measured wall time in SFT steps; its warm start is the figure)",
+    "sft570": ("SFT 570 steps (~ the wall time of sft100_rl120; its warm start is the figure)",
                ["run.warm_start.steps=570", "learner.steps=2"]),
     "group16": ("groups of 16, 2 per step (same episodes)", ["algo.group_size=16", "learner.groups_per_step=2"]),
     "groups8": ("8 groups x 8 per step (2x episodes)", ["learner.groups_per_step=8"]),
