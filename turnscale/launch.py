@@ -285,7 +285,6 @@ class Launcher:
     def warm_start(self, model_path: str, sft_path: str, round_: int = 1) -> str:
         """One SFT round from ``model_path``; the model directory of its checkpoint."""
         from turnscale.learner import checkpoint
-
         from turnscale.recipe import round_steps
 
         ws = self.cfg.run.warm_start
@@ -316,13 +315,15 @@ class Launcher:
             return model
         turns = self.cfg.schedule.turns[0]
         group = self.cfg.algo.group_size
+        sft_steps = 0
         for k in range(1, ws.rounds + 1):
             if k > 1:
                 model = self.warm_start(model, sft_path, k)
+            sft_steps += recipe.round_steps(ws.steps, k)
             doc = self.evaluate_doc(f"probe_warm_start_{k}", model, files["probe"], env_url, [turns], samples=1)
             success = success_by_category(doc, turns)
             adv = recipe.advice(success, group, ws.min_mixed, ws.rounds - k)
-            self.recipe["rounds"].append({"round": k, "sft_steps": sum(recipe.round_steps(ws.steps, j) for j in range(1, k + 1)), "turn_limit": turns, "success": success,
+            self.recipe["rounds"].append({"round": k, "sft_steps": sft_steps, "turn_limit": turns, "success": success,
                                           "predicted_mixed": recipe.predicted_mixed(success, group)})
             self.recipe["advice"] = dataclasses.asdict(adv)
             self.say(f"warm start round {k}: probe success " + ", ".join(f"{lvl.removeprefix('BabyAI-')} {p:.2f}" for lvl, p in success.items())
