@@ -3,11 +3,11 @@ other actors (the relay tree, ``learner.relay`` and docs/architecture.md "Weight
 
 Same wire as the learner's weights ROUTER (``learner/weights.py``): frames in are
 ``[identity, request_id, *WeightChunkRequest]``, frames out ``[identity, request_id,
-*WeightChunk, ...]`` (each chunk's data its own frame: the run's first chunk and the verified
-ones after it, ``WeightChunkRequest.count``) or ``[identity, request_id, *ErrorReply]``.
-One request may get several replies: each carries the run's chunks verified since the last
-one (at least one), in order, until the run is complete; so a pipelined child asks once
-per run, and a child that lags gets several chunks per message.  A run whose next chunk
+*WeightChunk]`` (one message per chunk, its data its own frame) or ``[identity,
+request_id, *ErrorReply]``.  A request for a run (``WeightChunkRequest.count``) gets one
+message per chunk, in order: at once for the chunks already verified, then each as it is
+verified, until the run is complete; so a pipelined child asks once per run and can
+forward each chunk to its own children as soon as it has checked it.  A run whose next chunk
 this relay does not hold (yet) is answered ``ErrorReply(code="not_yet",
 retryable=True)`` after holding the request up to ``hold_s`` (answered the moment the
 chunk is verified, so a pipelined child is one chunk behind its parent without polling):
@@ -208,8 +208,9 @@ class RelayServer:
                     end = nxt + 1
                     while end < stop and h.verified[end]:
                         end += 1
-                    frames = chunk_reply_frames(h.manifest, h.buf, nxt, end, corrupt=self.corrupt)
-                    self._sock.send_multipart([*prefix, *frames], copy=True)
+                    for j in range(nxt, end):  # a message per chunk (learner/weights.py says why)
+                        frames = chunk_reply_frames(h.manifest, h.buf, j, j + 1, corrupt=self.corrupt)
+                        self._sock.send_multipart([*prefix, *frames], copy=True)
                     self.served_chunks += end - nxt
                     self.served_bytes += sum(c.nbytes for c in h.manifest.chunks[nxt:end])
                     if end < stop:  # the rest of the run follows as it is verified

@@ -4,9 +4,9 @@ of the weight-transfer protocol (``protocol/weights.py``; the learner's end is
 ``learner/weights.py``).
 
 Wire: request ``[request_id, *WeightChunkRequest]`` (a run of ``count`` chunks) on a
-DEALER; reply ``[request_id, *WeightChunk, *WeightChunk, ...]`` (the run's chunks in order,
-each a header frame and a data frame; a relay may split a run over several replies) or
-``[request_id, *ErrorReply]``.  The 16-byte request id encodes ``(version, first index,
+DEALER; replies ``[request_id, *WeightChunk]``, one message per chunk of the run, in order
+(each a header frame and a data frame; a reply with several chunks in order is accepted
+too), or ``[request_id, *ErrorReply]``.  The 16-byte request id encodes ``(version, first index,
 request number)`` (unique within the pull: two runs from two sources may start at one
 chunk), so when a reply arrives we already know which chunk comes next and receive each
 data frame with ``recv_into`` straight into its place in the buffer (no intermediate copy).
@@ -282,7 +282,9 @@ class _Pull:
         here, all are.  A reply carries chunks of a run in order from the first one not yet
         received (each a header frame and a data frame, received straight into its place):
         the learner's all of them, a relay's those it has verified, the rest following in
-        later replies to the same request (the run stays in flight, its deadline renewed)."""
+        later replies to the same request (the run stays in flight, its deadline renewed):
+        the learner and relays send one chunk per message, so that a relay forwards each chunk
+        as soon as it verified it."""
         raw = self.socks[s].sock
         try:
             rid = raw.recv(zmq.NOBLOCK)
@@ -317,13 +319,11 @@ class _Pull:
             if j == i + count or not raw.getsockopt(zmq.RCVMORE):  # more than the run, or a header without data
                 self._discard_rest(raw)
                 break
-        if j < i + count and s != self.learner:  # a relay sends the rest as it verifies it
-            self.inflight[r] = (trio.current_time() + self.relay_timeout_s, i, s, count, j)
+        if j < i + count:  # the rest of the run follows in later replies
+            timeout = self.timeout_s if s == self.learner else self.relay_timeout_s
+            self.inflight[r] = (trio.current_time() + timeout, i, s, count, j)
             return True
         del self.inflight[r]
-        for k in range(j, i + count):  # the learner sends whole runs: a short one is a bad reply
-            self.corrupt[k] = "reply cut short"
-            self.todo.append(k)
         return True
 
     def _small_reply(self, i: int, end: int, header: Any, s: int) -> None:

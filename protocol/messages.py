@@ -44,7 +44,7 @@ import numpy as np
 from turnscale.protocol.dtypes import WIRE_DTYPES
 from turnscale.protocol.errors import ProtocolError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Bumped on every incompatible change; a message with another version is rejected.
 (3: ``PolicyAnnouncement.turn_limit`` and ``HeartbeatAck.policy_version`` removed: no one
 read them; a lease carries its turn limit and version.  4: weight fan-out through actor
@@ -53,7 +53,9 @@ packed, several to a data frame: the array ext is ``[dtype, shape, frame, offset
 ``PolicyAnnouncement.shm_path`` / ``shm_token``: same-host weights in shared memory.
 6: relays authenticate their clients: ``Welcome``/``HeartbeatAck.relay_clients``.
 7: actor pools and elastic scaling: ``Hello.pool``, ``ControlRequest``, ``LearnerStatus``.
-8: ``WeightChunkRequest.count``: one request for a run of chunks, one reply with several.)"""
+8: ``WeightChunkRequest.count``: one request for a run of chunks, one reply with several.
+9: a run is answered one message per chunk, by the learner as by relays, so a relay chain
+pipelines chunk by chunk.)"""
 
 MAX_CHUNKS_PER_REQUEST = 64
 """Most chunks one ``WeightChunkRequest`` may ask for."""
@@ -258,10 +260,11 @@ class PolicyAnnouncement:
 @record
 class WeightChunkRequest:
     """Ask the weights socket (learner or relay) for a run of chunks of one version.  The
-    reply carries chunks ``index, index + 1, ...`` in order, each as one ``WeightChunk``
-    (its header frame, then its data frame) in one multipart message: the learner sends the
-    whole run (cut at the last chunk) in one reply; a relay may answer in several replies,
-    each with the chunks it verified since its last one (from the first not yet sent on).
+    replies carry chunks ``index, index + 1, ...`` (cut at the last chunk) in order, one
+    message per chunk, each a ``WeightChunk`` (its header frame, then its data frame): the
+    learner sends them all at once, a relay those it has verified and the rest as it
+    verifies them.  A message per chunk lets a relay forward a chunk before the run's next
+    one has arrived (ZeroMQ hands a message over only whole).
 
     Example: ``WeightChunkRequest(version=3, index=8, count=4)`` asks for chunks 8..11."""
 
@@ -270,8 +273,8 @@ class WeightChunkRequest:
     index: int
     """First chunk index in that version's manifest."""
     count: int = 1
-    """Chunks in the run (1..``MAX_CHUNKS_PER_REQUEST``): one request and one reply for
-    several chunks cut the per-chunk CPU of both ends."""
+    """Chunks in the run (1..``MAX_CHUNKS_PER_REQUEST``): one request for several chunks
+    cuts the requests and keeps the pipe full without a deep window."""
 
     def check(self) -> None:
         if not 1 <= self.count <= MAX_CHUNKS_PER_REQUEST:

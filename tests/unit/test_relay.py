@@ -265,10 +265,13 @@ def test_runs_from_a_corrupt_relay_and_their_refetch_from_the_next_relay_lose_no
             assert stream_ok(c, m) and rep.fallbacks >= 1 and rep.from_relays + rep.from_learner == len(m.chunks)
 
 
-def test_a_run_is_one_reply_from_the_learner_and_streams_from_a_relay_as_chunks_verify(publisher):
-    """``WeightChunkRequest.count``: the learner answers the whole run (cut at the last chunk)
-    in one message of header + data frame pairs; a relay sends what it has verified and the
-    rest of the run in later replies to the same request; a bad count is refused."""
+def test_a_run_is_one_message_per_chunk_from_the_learner_and_from_a_relay_as_chunks_verify(publisher):
+    """``WeightChunkRequest.count``: the learner answers the run (cut at the last chunk) with
+    one message (header + data frame) per chunk, in order, so a relay downstream can verify
+    and forward chunk ``i`` before ``i + 1`` has arrived (ZeroMQ delivers a message only
+    whole: a run in one message made every hop wait for the whole run); a relay sends each
+    chunk it has verified as its own message, the rest of the run as it verifies it; a bad
+    count is refused."""
     m = publisher.publish(1, state_dict())
     n = len(m.chunks)
 
@@ -277,12 +280,22 @@ def test_a_run_is_one_reply_from_the_learner_and_streams_from_a_relay_as_chunks_
         assert all(bytes(g.data) == bytes(m_buf[m.chunks[g.index].offset:][:m.chunks[g.index].nbytes]) for g in got)
         return [g.index for g in got]
 
+    def messages(sock, count):
+        out = []
+        for _ in range(count):
+            assert sock.poll(5000), f"only {len(out)} of {count} messages: {out}"
+            out.append(chunks(sock.recv_multipart()))
+        assert not sock.poll(200), "more messages than chunks"
+        return out
+
     m_buf = publisher._versions[1].buf
     raw = configure(zmq.Context.instance().socket(zmq.DEALER))
     try:
         raw.connect(publisher.endpoint)
         raw.send_multipart([b"r", *codec.encode(WeightChunkRequest(version=1, index=n - 2, count=5))])
-        assert raw.poll(5000) and chunks(raw.recv_multipart()) == [n - 2, n - 1]
+        assert messages(raw, 2) == [[n - 2], [n - 1]]
+        raw.send_multipart([b"r", *codec.encode(WeightChunkRequest(version=1, index=0, count=3))])
+        assert messages(raw, 3) == [[0], [1], [2]]
         with pytest.raises(ProtocolError, match="count"):
             WeightChunkRequest(version=1, index=0, count=0).check()
     finally:
@@ -297,9 +310,9 @@ def test_a_run_is_one_reply_from_the_learner_and_streams_from_a_relay_as_chunks_
             relay.mark("k", 0)
             relay.mark("k", 1)
             raw.send_multipart([b"r", *codec.encode(WeightChunkRequest(version=1, index=0, count=4))])
-            assert raw.poll(5000) and chunks(raw.recv_multipart()) == [0, 1]  # what it holds, at once
+            assert messages(raw, 2) == [[0], [1]]  # what it holds, at once, a message each
             relay.mark("k", 3)
             relay.mark("k", 2)
-            assert raw.poll(5000) and chunks(raw.recv_multipart()) == [2, 3]  # the rest, as it verified it
+            assert messages(raw, 2) == [[2], [3]]  # the rest, as it verified it
         finally:
             raw.close(linger=0)
