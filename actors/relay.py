@@ -55,6 +55,15 @@ from turnscale.protocol.transport import CurveKeys, SocketLimits, configure
 
 log = logging.getLogger(__name__)
 
+HOLD_S = 1.0
+"""Default hold of a request for a chunk not verified yet.  A child asks up to ``window``
+runs ahead (4 x 1 MB by default, ``actors/weight_sync.py``); the farthest run's first chunk
+reaches this relay that many bytes later, so the hold must cover ``window x run bytes /
+link rate`` (1 s: links of 32 Mbit/s and up), else the child gets ``not_yet`` and its
+window stalls on the retries (0.5 s cost ~170 ms per hop of a chain at 50 Mbit/s).  It
+stays well under the child's ``relay_timeout_s`` (3 s), which takes a silent relay for
+dead."""
+
 
 @dataclass
 class _Held:
@@ -68,7 +77,7 @@ class RelayServer:
     ROUTER bound at ``endpoint`` (port 0 picks a free one; see ``self.endpoint``)."""
 
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None, limits: SocketLimits = SocketLimits(),
-                 curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False, hold_s: float = 0.5) -> None:
+                 curve: CurveKeys | None = None, poll_ms: int = 100, corrupt: bool = False, hold_s: float = HOLD_S) -> None:
         self._own_ctx: zmq.Context | None = None
         self._auth: ZapAuthenticator | None = None
         self.clients: AllowedKeys | None = None

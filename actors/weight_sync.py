@@ -126,7 +126,7 @@ class _Pull:
     weights endpoint; the ones before it are relays, asked first in order."""
 
     def __init__(self, socks: list[AsyncSocket], manifest: WeightManifest, buf: np.ndarray, timeout_s: float,
-                 window: int, max_retries: int, *, relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
+                 window: int, max_retries: int, *, relay_timeout_s: float = 3.0, relay_patience_s: float = 5.0,
                  on_chunk: Callable[[int], None] | None = None, run: int = 1) -> None:
         self.socks = socks
         self.run_chunks = run
@@ -206,9 +206,9 @@ class _Pull:
             self._progress = trio.Event()  # before looking: a reply handled from now on wakes the wait below
             now = trio.current_time()
             due = [x for x in self.later if x[0] <= now]
-            if due:
+            if due:  # back in index order: runs stay whole and the earliest chunks go first
                 self.later = [x for x in self.later if x[0] > now]
-                self.todo.extend(i for _, i in due)
+                self.todo = deque(sorted([*self.todo, *(i for _, i in due)]))
             while self.todo and len(self.inflight) < self.window:
                 await self._request(self.todo.popleft())
             wake_at = min([d for d, _, _, _, _ in self.inflight.values()] + [t for t, _ in self.later] + [now + 1.0])
@@ -480,7 +480,7 @@ def read_segment(ref: SegmentRef, manifest: WeightManifest, report: PullReport |
 
 async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                        max_retries: int = 3, buffer: ReceiveBuffer | None = None, copy: bool = False,
-                       relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
+                       relays: Sequence[AsyncSocket] = (), relay_timeout_s: float = 3.0, relay_patience_s: float = 5.0,
                        on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
                        shm: SegmentRef | None = None, run_bytes: int = RUN_BYTES) -> dict[str, torch.Tensor]:
     """Pull every chunk of ``manifest`` (see the module docstring); returns name -> tensor
@@ -496,7 +496,7 @@ async def pull_weights(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s
 
 async def pull_stream(sock: AsyncSocket, manifest: WeightManifest, *, timeout_s: float = 30.0, window: int = 4,
                       max_retries: int = 3, buffer: ReceiveBuffer | None = None, relays: Sequence[AsyncSocket] = (),
-                      relay_timeout_s: float = 2.0, relay_patience_s: float = 5.0,
+                      relay_timeout_s: float = 3.0, relay_patience_s: float = 5.0,
                       on_chunk: Callable[[int], None] | None = None, report: PullReport | None = None,
                       shm: SegmentRef | None = None, run_bytes: int = RUN_BYTES) -> np.ndarray:
     """``pull_weights`` without the tensors (no torch): the verified stream bytes, a view

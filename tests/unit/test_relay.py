@@ -105,6 +105,41 @@ def test_a_chain_pulls_every_chunk_from_the_relay_pipelined(publisher):
     assert publisher.served_bytes - before == m.total_bytes  # one copy left the learner
 
 
+def test_a_child_on_a_slow_link_gets_every_run_from_its_relay_without_not_yet(publisher):
+    """A child requests ``window`` runs ahead of its relay's own pull.  On a slow link the
+    farthest run's first chunk reaches the relay long after the request: the relay must
+    hold it until then (default ``hold_s``), not answer ``not_yet``, which sent the run to
+    the back of the child's queue and stalled its window (stop 27: ~170 ms per hop of a
+    chain at 50 Mbit/s).  Here chunks reach the relay one per 45 ms, the child keeps
+    16 chunks (~0.7 s) ahead, and every run is held until served."""
+    g = torch.Generator().manual_seed(3)
+    m = publisher.publish(1, {"w": torch.randn(48 * 1024, generator=g)})  # ~24 chunks of ~4 KB
+    n = len(m.chunks)
+    assert n >= 20
+    src = publisher._versions[1].buf
+    held = np.zeros(m.total_bytes, dtype=np.uint8)
+    b, rep = ReceiveBuffer(), PullReport()
+    with RelayServer("tcp://127.0.0.1:0") as relay:
+        relay.begin("k", m, held)
+
+        async def arrive():  # the relay's own pull, on a slow link
+            for c in m.chunks:
+                await trio.sleep(0.045)
+                held[c.offset:c.offset + c.nbytes] = src[c.offset:c.offset + c.nbytes]
+                relay.mark("k", c.index)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(arrive)
+                await pull_into(publisher.endpoint, m, b, relays=[relay.endpoint], report=rep,
+                                run_bytes=4 * m.chunks[0].nbytes)
+
+        trio.run(main)
+        assert relay.not_yet == 0
+    assert stream_ok(b, m)
+    assert rep.from_learner == 0 and rep.from_relays == n and rep.fallbacks == 0
+
+
 def test_a_relay_killed_mid_transfer_costs_a_retry_elsewhere(publisher):
     m = publisher.publish(1, state_dict())
     half = len(m.chunks) // 2
