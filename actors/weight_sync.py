@@ -280,11 +280,10 @@ class _Pull:
         """Handle one reply from source ``s`` if one is queued; False when none is.  Never
         blocks: ZeroMQ delivers multipart messages atomically, so once the first frame is
         here, all are.  A reply carries chunks of a run in order from the first one not yet
-        received (each a header frame and a data frame, received straight into its place):
-        the learner's all of them, a relay's those it has verified, the rest following in
-        later replies to the same request (the run stays in flight, its deadline renewed):
-        the learner and relays send one chunk per message, so that a relay forwards each chunk
-        as soon as it verified it."""
+        received (each a header frame and a data frame, received straight into its place),
+        usually one: the learner and relays send a message per chunk, so that a relay can
+        forward each chunk as soon as it has verified it.  The rest of the run follows in
+        later replies to the same request (the run stays in flight, its deadline renewed)."""
         raw = self.socks[s].sock
         try:
             rid = raw.recv(zmq.NOBLOCK)
