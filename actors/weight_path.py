@@ -46,7 +46,8 @@ only from a buffer holding v that no pull is writing into, and only verified chu
 pull asks the relays the learner named (``sources``, from ``Welcome`` and ``HeartbeatAck``)
 before the learner and checks every chunk whatever its source: a dead, slow or corrupt relay
 costs a retry elsewhere, never a torn or wrong version.  The DEALERs to those relays live
-for one session (``open_session`` .. ``close_session``).
+for one session (``open_session`` .. ``close_session``); one to a relay that failed a pull
+(no reply in time) is replaced at the next pull (``_reconnect`` says why).
 
 Same host (``PolicyAnnouncement.shm_path``, ``actor.weights_shm``): with no relay involved,
 the pull views the learner's shared-memory segment; the hold on it is released once the
@@ -194,6 +195,15 @@ class WeightPath:
             s.sock.connect(endpoint)
         return s
 
+    def _reconnect(self, endpoints: list[str]) -> None:
+        """Close this session's DEALERs to ``endpoints`` (relays that failed a pull): the next
+        pull connects afresh.  A socket is not reused after a silent relay, because libzmq
+        (4.3) never reconnects a DEALER whose CURVE handshake the relay refused (it refuses an
+        actor until its owner's next ``HeartbeatAck`` lists the newcomer's key), and every
+        request on it would time out from then on."""
+        for key in [k for k in self._relay_socks if k[0] in endpoints]:
+            self._relay_socks.pop(key).close()
+
     # ------------------------------------------------------------------ the pull
     async def _free_slot(self) -> BufferSlot:
         """A receive buffer the engine does not hold (waits for a release if both are held)."""
@@ -238,8 +248,9 @@ class WeightPath:
         assert policy.manifest is not None
         relay, key = self.deps.relay, id(slot)
         kw: dict[str, Any] = {}
-        if self.sources:
-            kw["relays"] = [self._relay_sock(ep) for ep in self.sources]
+        sources = list(self.sources)  # a HeartbeatAck may replace them during the pull
+        if sources:
+            kw["relays"] = [self._relay_sock(ep) for ep in sources]
         if relay is not None and slot.buffer is not None:
             # before any byte lands in the buffer: its old version is withdrawn from the relay,
             # and the new one is served chunk by chunk as each is verified (actors/relay.py)
@@ -263,6 +274,7 @@ class WeightPath:
             raise
         finally:
             if report is not None:
+                self._reconnect([sources[i] for i in report.dead_relays])
                 self.stats.weight_chunks_from_relays += report.from_relays
                 self.stats.weight_chunks_from_learner += report.from_learner
                 self.stats.weight_relay_fallbacks += report.fallbacks

@@ -61,6 +61,11 @@ class ActorInfo:
     """``Hello.pool``: the actor's hardware/engine pool."""
     draining: bool = False
     """Told to drain (``ControlRequest``): no new leases; told ``Shutdown`` once it holds none."""
+    serial: int = 0
+    """This registration's number (``ActorRegistry.registrations`` when it was made)."""
+    told: int = -1
+    """The registrations its relay last heard of: the ``registrations`` count when the learner
+    last sent it ``relay_clients`` (an actor registered later is not admitted by it yet)."""
 
 
 def hello_problem(msg: Hello) -> str:
@@ -93,6 +98,8 @@ class ActorRegistry:
     silent_s: float = 15.0
     """An actor not heard from for this long is presumed dead (its id can be taken)."""
     actors: dict[str, ActorInfo] = field(default_factory=dict)
+    registrations: int = 0
+    """Registrations made so far (each ``ActorInfo.serial`` is the count after its own)."""
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -121,6 +128,8 @@ class ActorRegistry:
                          max_groups=min(msg.max_groups, MAX_GROUPS_PER_ACTOR), relay_endpoint=msg.relay_endpoint,
                          relay_public_key=msg.relay_public_key, pool=msg.pool,
                          draining=old is not None and old.draining)  # a drain survives a reconnect
+        self.registrations += 1
+        info.serial = self.registrations
         self.actors[msg.actor_id] = info
         return info, None, old is not None
 

@@ -610,8 +610,14 @@ class LearnerService:
         # per version) long before the actor is forgotten (lease_ttl_s); it is again once heard.
         quiet = SUSPECT_HEARTBEATS * self.cfg.learner.heartbeat_interval_s
         now = trio.current_time()
+        me = self.actors.actors.get(actor_id)
+        if me is None:
+            return []
+        # A CURVE relay is named only once its owner has been told this actor's key: before
+        # that it refuses the handshake, and libzmq never reconnects a refused DEALER.
         ids = [a.actor_id for a in self.actors.values()
-               if a.relay_endpoint and (a.actor_id == actor_id or now - a.last_seen <= quiet)]
+               if a.relay_endpoint and (a is me or (now - a.last_seen <= quiet
+                                                    and (not a.relay_public_key or a.told >= me.serial)))]
         if actor_id not in ids:
             return []
         eps = [self.actors.actors[a].relay_endpoint for a in ids]
@@ -620,10 +626,12 @@ class LearnerService:
     def relay_clients(self, actor_id: str) -> list[str]:
         """Who may pull from ``actor_id``'s CURVE relay: the public keys of the other registered
         actors that serve a CURVE relay (and so pull with that key pair; the learner admitted
-        each of them through ZAP).  Empty when relays are off or its relay is plain."""
+        each of them through ZAP).  Empty when relays are off or its relay is plain.  Called
+        for the reply that tells it (``Welcome``/``HeartbeatAck``): records ``told``."""
         me = self.actors.actors.get(actor_id)
         if not self.cfg.learner.relay.enabled or me is None or not me.relay_public_key:
             return []
+        me.told = self.actors.registrations  # what it is told now covers every registration so far
         return sorted({a.relay_public_key for a in self.actors.values() if a.relay_public_key and a.actor_id != actor_id})
 
     def relay_keys(self, endpoints: list[str]) -> list[str]:

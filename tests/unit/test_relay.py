@@ -351,3 +351,66 @@ def test_a_run_is_one_message_per_chunk_from_the_learner_and_from_a_relay_as_chu
             assert messages(raw, 2) == [[2], [3]]  # the rest, as it verified it
         finally:
             raw.close(linger=0)
+
+
+def test_a_relay_that_refused_our_handshake_is_reached_on_a_fresh_connection_once_it_lists_us(publisher):
+    """libzmq (4.3) never reconnects a DEALER whose CURVE handshake a ZAP handler refused:
+    every later request on that socket is lost.  A relay refuses a new actor until its owner
+    hears the newcomer's key (the owner's next ``HeartbeatAck``), so an actor's first pull
+    from it can be refused.  The actor's weight path must reach that relay again on a fresh
+    connection at its next pull, not time out on it at every pull (each timeout is a version
+    at a fast learner: an actor in CI never got weights, every version retired before its
+    fallback to the learner)."""
+    from turnscale.actors.actor import ActorStats
+    from turnscale.actors.engine import WeightSwap
+    from turnscale.actors.main import pull_into as actor_pull
+    from types import SimpleNamespace
+
+    from turnscale.actors.weight_path import WeightPath
+    from turnscale.common.curve import CurveSetup
+    from turnscale.conf.schema import ActorConfig
+    from turnscale.protocol.messages import PolicyAnnouncement
+    from turnscale.protocol.transport import generate_curve_keys
+
+    class Applies:
+        version = -1
+
+        def load_weights(self, version, tensors):
+            swap = WeightSwap(version)
+            swap.complete(WeightSwap.APPLIED)
+            return swap
+
+    server, own = generate_curve_keys(), generate_curve_keys()
+    m1, m2 = publisher.publish(1, state_dict(1)), None
+    held = [ReceiveBuffer(), ReceiveBuffer()]
+    path = WeightPath(cfg=ActorConfig(verify_weights=False), stats=ActorStats(),
+                      deps=SimpleNamespace(pull=actor_pull, new_buffer=ReceiveBuffer, relay=None))
+    with RelayServer("tcp://127.0.0.1:0", curve=server) as relay:
+        path.set_sources([relay.endpoint], [relay.public_key], [])
+
+        async def main():
+            nonlocal m2
+            ctx = zmq.Context.instance()
+            path.open_session(ctx, CurveSetup(public=own.public, secret=own.secret))
+            learner = dealer(publisher.endpoint)
+            try:
+                await pull_into(publisher.endpoint, m1, held[0], relay=relay, key="v1")  # the relay holds v1
+                with trio.fail_after(30):
+                    await path.pull(learner, PolicyAnnouncement(version=1, step=1, manifest=m1, incarnation="A"), Applies())
+                first = (path.stats.weight_chunks_from_relays, path.stats.weight_chunks_from_learner)
+                relay.allow_clients([own.public.decode()])  # the owner's next HeartbeatAck lists us
+                m2 = publisher.publish(2, state_dict(2))
+                await pull_into(publisher.endpoint, m2, held[1], relay=relay, key="v2")
+                with trio.fail_after(30):
+                    await path.pull(learner, PolicyAnnouncement(version=2, step=2, manifest=m2, incarnation="A"), Applies())
+                return first
+            finally:
+                learner.close()
+                path.close_session()
+
+        first = trio.run(main)
+        assert relay.clients.refused >= 1
+    assert first == (0, len(m1.chunks))  # refused: all of v1 from the learner
+    assert path.applied == ("A", 2)
+    assert path.stats.weight_chunks_from_relays == len(m2.chunks), \
+        "the relay lists us now, but the pull still went to the learner (a refused DEALER was reused)"

@@ -135,3 +135,39 @@ def test_each_curve_relay_is_told_which_actor_keys_may_pull_from_it():
         assert beat("a").relay_clients == [keys["b"]] and beat("b").relay_clients == [keys["a"]]
 
     trio.run(main)
+
+
+def test_a_curve_relay_is_named_to_a_newcomer_only_once_its_owner_was_told_the_newcomers_key():
+    """A CURVE relay admits only the keys its owner last heard from the learner; a newcomer
+    sent to it earlier is refused, and a refused connection is dead for good (libzmq does not
+    reconnect it).  So the learner names a CURVE relay to an actor only after the relay's owner
+    got a ``relay_clients`` list made after that actor registered; until then the actor pulls
+    from its next source (the learner)."""
+    svc = service(**{"learner.relay.fanout": 1, "learner.relay.fallback_hops": 2})
+    keys = {n: (n * 40)[:40] for n in "abc"}
+
+    def curve_hello(name):
+        return Hello(actor_id=name, host="h", pid=1, engine="sim", device="cpu", max_groups=1, token=name,
+                     relay_endpoint=f"tcp://{name}:7000", relay_public_key=keys[name])
+
+    async def main():
+        beat = lambda n: svc.handle(Heartbeat(actor_id=n, lease_ids=[], policy_version=0), identity=n.encode())  # noqa: E731
+        assert svc.handle(curve_hello("a"), identity=b"a").weight_sources == []
+        assert svc.handle(curve_hello("b"), identity=b"b").weight_sources == []  # a has not heard b's key
+        assert beat("b").weight_sources == []
+        assert beat("a").relay_clients == [keys["b"]]
+        assert beat("b").weight_sources == ["tcp://a:7000"]
+        assert svc.handle(curve_hello("c"), identity=b"c").weight_sources == []
+        assert beat("b").relay_clients == [keys["a"], keys["c"]]  # b knows c; a does not yet
+        assert beat("c").weight_sources == ["tcp://b:7000"]
+        assert beat("a").relay_clients == [keys["b"], keys["c"]]
+        assert beat("c").weight_sources == ["tcp://b:7000", "tcp://a:7000"]
+        # b re-registers (a new process, a new key): a must hear the new key before b is sent to a
+        w = svc.handle(Hello(actor_id="b", host="h", pid=2, engine="sim", device="cpu", max_groups=1, token="b",
+                             relay_endpoint="tcp://b:7000", relay_public_key="d" * 40), identity=b"b2")
+        assert isinstance(w, Welcome) and w.weight_sources == []
+        assert beat("a").relay_clients == sorted([keys["c"], "d" * 40])
+        assert svc.handle(Heartbeat(actor_id="b", lease_ids=[], policy_version=0), identity=b"b2").weight_sources \
+            == ["tcp://a:7000"]
+
+    trio.run(main)
