@@ -41,6 +41,7 @@ from turnscale.actors.engine import Engine, EngineError, GenerateRequest
 from turnscale.common.parsing import ActionParser
 from turnscale.common.prompts import initial_messages
 from turnscale.common.renderer import Renderer, RenderError
+from turnscale.protocol.arena import Arena
 from turnscale.protocol.messages import Episode, Lease, SamplingParams, Task, TrajectoryGroup, Turn
 
 
@@ -81,6 +82,8 @@ class EpisodeContext:
     """The episode's seed; turn ``i`` samples with ``turn_seed(seed, i)``."""
     stop_ids: tuple[int, ...]
     """``renderer.stop_token_ids``: every turn's ``GenerateRequest.stop_token_ids``."""
+    arena: Arena | None = None
+    """Where the episode's arrays are made (its group's), or None for arrays of their own."""
 
 
 @dataclasses.dataclass
@@ -112,11 +115,14 @@ class EpisodeState:
         self.versions += [-1] * len(ids)
 
     def episode(self, ctx: EpisodeContext, end: EpisodeEnd) -> Episode:
+        """The finished episode; its arrays are carved from ``ctx.arena`` (the group's, so
+        the group travels as a few data frames: ``protocol/arena.py``) when there is one."""
+        make = ctx.arena.array if ctx.arena is not None else (lambda values, dtype: np.asarray(values, dtype=dtype))
         return Episode(
-            token_ids=np.asarray(self.token_ids, dtype=np.int32),
-            loss_mask=np.asarray(self.loss_mask, dtype=np.uint8),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            versions=np.asarray(self.versions, dtype=np.int32),
+            token_ids=make(self.token_ids, np.int32),
+            loss_mask=make(self.loss_mask, np.uint8),
+            logprobs=make(self.logprobs, np.float32),
+            versions=make(self.versions, np.int32),
             prompt_len=self.prompt_len,
             turns=self.turns,
             finish_reason=end.reason,
@@ -161,11 +167,13 @@ async def run_episode(
     parser: ActionParser,
     prompt: str,
     seed: int,
+    arena: Arena | None = None,
 ) -> Episode:
     """Play one episode of ``task``; never raises for env, engine or render failures
-    (they become the finish reason); trio cancellation propagates."""
+    (they become the finish reason); trio cancellation propagates.  ``arena``: where its
+    arrays are made (``EpisodeContext.arena``)."""
     ctx = EpisodeContext(engine=engine, renderer=renderer, env=env, parser=parser, sampling=sampling,
-                         turn_limit=turn_limit, seed=seed, stop_ids=tuple(renderer.stop_token_ids))
+                         turn_limit=turn_limit, seed=seed, stop_ids=tuple(renderer.stop_token_ids), arena=arena)
     state = EpisodeState()
     try:
         await _begin(ctx, state, task, prompt)
@@ -298,6 +306,7 @@ async def run_group(
     import trio
 
     n = lease.group_size
+    arena = Arena()  # the group's arrays, so it travels as a few data frames
     episodes: list[Episode | None] = [None] * n
     crashes: list[str] = []
 
@@ -316,6 +325,7 @@ async def run_group(
                 parser=parser,
                 prompt=prompt,
                 seed=episode_seed(lease.seed, i),
+                arena=arena,
             )
         except Exception as exc:
             crashes.append(f"episode {i}: {type(exc).__name__}: {exc}")

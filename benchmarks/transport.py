@@ -12,7 +12,8 @@ ratio isolates what the codec and the trio helpers cost.
 
 Groups are GRPO-shaped: 8 episodes, each with ``[T]`` token ids / loss mask / log-probs /
 versions and a ``Turn`` record per turn; ``T`` is chosen so the encoded group is about the
-requested size.  Figures: ``transport_<size>_mb_s`` (MB/s, target ratio 0.8 at 4 MB, 0.5 at 64 KB),
+requested size.  Their arrays are carved from one ``protocol.arena.Arena``, as the actor
+builds a group (so a large group is a few frames).  Figures: ``transport_<size>_mb_s`` (MB/s, target ratio 0.8 at 4 MB, 0.5 at 64 KB),
 ``transport_<size>_groups_s`` (groups/s, reported) and, with a receiver process,
 ``transport_<size>_cpu_us`` (CPU time per group of sender + receiver, all threads; ratio
 raw / system, reported): on a shared machine the wall-clock figures move with other
@@ -62,13 +63,17 @@ def _parse_size(text: str) -> int:
 # ----------------------------------------------------------------------------- workload
 
 
-def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: int = 0):
-    """A valid GRPO-shaped ``TrajectoryGroup`` whose encoding is about ``target_bytes``."""
+def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: int = 0, arena: bool = True):
+    """A valid GRPO-shaped ``TrajectoryGroup`` whose encoding is about ``target_bytes``;
+    with ``arena`` its arrays are carved from one ``protocol.arena.Arena``, as the actor
+    builds a group (``actors/episode.py``), else each array is its own."""
     from turnscale.protocol import codec
     from turnscale.protocol import messages as m
+    from turnscale.protocol.arena import Arena
 
     def build(tokens: int):
         rng = np.random.default_rng(seed)
+        place = Arena().array if arena else (lambda values, dtype: np.asarray(values, dtype=dtype))
         eps = []
         for e in range(n_episodes):
             prompt = max(1, tokens // 8)
@@ -85,8 +90,9 @@ def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: 
                                         action=f"go to room {t}", parse_error=False, observation=f"You are in room {t}. You see a red ball and a door.",
                                         reward=0.0, done=False, policy_version=7, gen_latency_s=0.05, env_latency_s=0.001))
             logprobs = np.where(mask == 1, -rng.random(tokens, dtype=np.float32), 0).astype(np.float32)
-            eps.append(m.Episode(token_ids=rng.integers(0, 150_000, tokens, dtype=np.int32), loss_mask=mask, logprobs=logprobs,
-                                 versions=np.where(mask == 1, 7, -1).astype(np.int32), prompt_len=prompt, turns=turn_recs,
+            eps.append(m.Episode(token_ids=place(rng.integers(0, 150_000, tokens, dtype=np.int32), np.int32),
+                                 loss_mask=place(mask, np.uint8), logprobs=place(logprobs, np.float32),
+                                 versions=place(np.where(mask == 1, 7, -1), np.int32), prompt_len=prompt, turns=turn_recs,
                                  finish_reason="done", reward=1.0, success=True, turn_limit=turns))
         return m.TrajectoryGroup(lease_id="l-123", actor_id="bench-actor", task=m.Task(env="babyai", data_idx=123), turn_limit=turns, episodes=eps)
 

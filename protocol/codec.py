@@ -12,7 +12,11 @@ Out-of-band arrays are *packed* (schema 5): every array of at least
 shared data frame (one frame per message instead of one per array: pyzmq's cost per
 zero-copy frame, paid on both sides, dominated a trajectory group's transport);
 arrays of ``own_frame_bytes`` or more get a frame of their own, a view of the array
-(no copy on either side).  A message with exactly one out-of-band array sends that
+(no copy on either side).  Arrays carved from one buffer (``protocol.arena.Arena``, as
+the actor builds a trajectory group) that tile a region of it of ``own_frame_bytes`` or
+more travel as that region, one zero-copy frame, whatever their own sizes: a large group
+is a header and a few frames (the same wire format: an ``ARRAY_FRAME`` is an offset into
+any frame).  A message with exactly one out-of-band array sends that
 array's own bytes as frame 1 (``WeightChunk``: the actor ``recv_into``'s it).  The
 decoder accepts any layout that is well formed: each array's bytes lie inside its
 frame, arrays never overlap, and every data frame is referenced.
@@ -97,12 +101,13 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES,
     data frame (a copy) or, from ``own_frame_bytes`` up or when they are the message's
     only out-of-band array, as a ``memoryview`` of the array itself (no copy; send with
     ``copy=False`` and keep the record alive until ZeroMQ is done, which pyzmq's
-    zero-copy frames do by holding a reference)."""
+    zero-copy frames do by holding a reference).  Views of one buffer that tile a region
+    of it (``protocol.arena``) travel as that region, one zero-copy frame (``_layout``)."""
     name = type(msg).__name__
     if REGISTRY.get(name) is not type(msg):
         raise ProtocolError(f"cannot encode {type(msg)!r}: not a protocol.messages record")
     frames: list[bytes | memoryview] = [b""]
-    packed: list[tuple[list, np.ndarray]] = []  # (ext meta to fill in, array) for the shared frame
+    oob: list[_LateExt] = []  # arrays placed by ``_layout`` once all are known
 
     def array(obj: Any) -> Any:
         if not isinstance(obj, np.ndarray):
@@ -110,18 +115,19 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES,
         if obj.dtype not in _ALLOWED_DTYPES:
             raise ProtocolError(f"cannot encode an array of dtype {obj.dtype} in {name}: not allowed on the wire")
         arr = np.ascontiguousarray(obj)
-        if arr.nbytes >= out_of_band_bytes:
-            meta = [arr.dtype.str, list(arr.shape), 0, 0]
-            if arr.nbytes >= own_frame_bytes:
-                frames.append(memoryview(arr.reshape(-1).view(np.uint8)))
-                meta[2] = len(frames) - 1
-            else:
-                packed.append((meta, arr))
-            return _LateExt(meta)
+        owner = arr.base
+        shared = bool(arr.nbytes) and isinstance(owner, np.ndarray) and owner.base is None and owner.flags.c_contiguous
+        if shared or arr.nbytes >= out_of_band_bytes:  # a view of a buffer is placed by ``_layout``
+            late = _LateExt([arr.dtype.str, list(arr.shape), 0, 0], arr, shared)
+            oob.append(late)
+            return late
         return _ext(ARRAY_INLINE, _pack_meta([arr.dtype.str, arr.shape, arr.tobytes()]))
 
     def default(obj: Any) -> Any:  # values that do not match their annotation
         if type(obj) is _LateExt:
+            if obj.inline:
+                a = obj.arr
+                return _ext(ARRAY_INLINE, _pack_meta([a.dtype.str, a.shape, a.tobytes()]))
             return _ext(ARRAY_FRAME, _pack_meta(obj.meta))
         if isinstance(obj, np.ndarray):  # an array where the annotation wants none: the decoder refuses it
             return msgpack.ExtType(ARRAY_INLINE, msgpack.packb([obj.dtype.str, list(obj.shape), obj.tobytes()]))
@@ -136,8 +142,8 @@ def encode(msg: Any, *, out_of_band_bytes: int = OUT_OF_BAND_BYTES,
 
     try:
         body = _plain_converter(type(msg))(msg, array)
-        if packed:
-            _pack(packed, frames)
+        if oob:
+            _layout(oob, frames, out_of_band_bytes, own_frame_bytes)
         frames[0] = msgpack.packb({"v": SCHEMA_VERSION, "t": name, "b": body}, default=default, use_bin_type=True)
     except ProtocolError:
         raise
@@ -157,12 +163,74 @@ def _ext(code: int, data: bytes) -> msgpack.ExtType:
 
 
 class _LateExt:
-    """An out-of-band array's ext, packed once its frame and offset are known."""
+    """An array's ext, packed once ``_layout`` has placed it: out of band (its frame and
+    offset in ``meta``) or, for a small view of a buffer that is not sent whole, inline."""
 
-    __slots__ = ("meta",)
+    __slots__ = ("meta", "arr", "shared", "inline")
 
-    def __init__(self, meta: list) -> None:
-        self.meta = meta
+    def __init__(self, meta: list, arr: np.ndarray, shared: bool) -> None:
+        self.meta, self.arr, self.shared, self.inline = meta, arr, shared, False
+
+
+def _layout(oob: list[_LateExt], frames: list, out_of_band_bytes: int, own_frame_bytes: int) -> None:
+    """Place each array of ``oob`` (filling in its ext), appending data frames to ``frames``.
+
+    Views of one buffer (``shared``: carved from one ``protocol.arena.Arena``) that tile a
+    region of it of at least ``own_frame_bytes`` travel as that region, one zero-copy frame,
+    whatever their own sizes.  Every
+    other array is placed by size: under ``out_of_band_bytes`` inline in frame 0, from
+    ``own_frame_bytes`` up a zero-copy frame of its own, in between copied into one shared
+    frame (``_pack``; a lone array is its own frame)."""
+    rest: list[_LateExt] = []
+    by_owner: dict[int, list[_LateExt]] = {}
+    for late in oob:
+        if late.shared:
+            by_owner.setdefault(id(late.arr.base), []).append(late)
+        else:
+            rest.append(late)
+    for items in by_owner.values():
+        region = _tiles(items) if len(items) > 1 else None
+        if region is None or region[2] - region[1] < own_frame_bytes:  # small: copying is cheaper
+            for late in items:
+                if late.arr.nbytes < out_of_band_bytes:
+                    late.inline = True
+                else:
+                    rest.append(late)
+            continue
+        owner, lo, hi = region
+        frames.append(memoryview(owner.reshape(-1).view(np.uint8)[lo:hi]))
+        base = _address(owner) + lo
+        for late in items:
+            late.meta[2], late.meta[3] = len(frames) - 1, _address(late.arr) - base
+    packed = []
+    for late in rest:
+        if late.arr.nbytes >= own_frame_bytes:
+            frames.append(memoryview(late.arr.reshape(-1).view(np.uint8)))
+            late.meta[2] = len(frames) - 1
+        else:
+            packed.append((late.meta, late.arr))
+    if packed:
+        _pack(packed, frames)
+
+
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+def _tiles(items: list[_LateExt]) -> tuple[np.ndarray, int, int] | None:
+    """``(owner, start, end)``: the byte region of the arrays' common owner that they
+    tile, separated by under ``_ALIGN`` bytes of padding (so the frame carries nothing but
+    them), each at an offset from ``start`` aligned to its item size (as the decoder
+    requires); None when they do not."""
+    owner = items[0].arr.base
+    base = _address(owner)
+    spans = sorted(((_address(late.arr) - base, late.arr) for late in items), key=lambda x: x[0])
+    lo = pos = spans[0][0]
+    for start, arr in spans:
+        if not 0 <= start - pos < _ALIGN or (start - lo) % arr.dtype.itemsize:
+            return None
+        pos = start + arr.nbytes
+    return owner, lo, pos
 
 
 def _pack(packed: list[tuple[list, np.ndarray]], frames: list) -> None:

@@ -5,6 +5,7 @@ offset or shape, and any cut or padding of the data frame, is either refused wit
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -41,6 +42,27 @@ def test_any_group_round_trips_whatever_the_thresholds(lengths, oob, own):
     own_frames = sum(1 for ep in msg.episodes for a in (ep.token_ids, ep.loss_mask, ep.logprobs, ep.versions)
                      if a.nbytes >= max(oob, own))
     assert len(frames) == 1 + own_frames + (1 if packed else 0)
+
+
+@_SETTINGS
+@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=6), skip=st.integers(-1, 5),
+       oob=st.sampled_from([0, 1, 512, 4096, 1 << 40]), own=st.sampled_from([1, 1024, 8192, 1 << 40]),
+       block=st.sampled_from([8, 4096, 1 << 20]))
+def test_any_group_carved_from_an_arena_round_trips_whatever_the_thresholds(lengths, skip, oob, own, block):
+    """Arrays from one ``protocol.arena.Arena`` (as the actor makes them), with episode
+    ``skip`` carved but left out of the message (a gap), and arena blocks of any size."""
+    from turnscale.protocol.arena import Arena
+
+    arena = Arena(first_block_bytes=block)
+    eps = []
+    for i, n in enumerate(lengths):
+        e = episode(n, seed=i)
+        arrays = {f: arena.array(getattr(e, f), getattr(e, f).dtype) for f in ("token_ids", "loss_mask", "logprobs", "versions")}
+        if i != skip:
+            eps.append(m.Episode(**{**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)}, **arrays}))
+    msg = m.TrajectoryGroup(lease_id="l", actor_id="a", task=m.Task(env="babyai", data_idx=1), turn_limit=5, episodes=eps)
+    frames = codec.encode(msg, out_of_band_bytes=oob, own_frame_bytes=own)
+    assert_same(msg, codec.decode([bytes(f) for f in frames]))
 
 
 def _exts(node: Any, path: tuple = ()) -> list[tuple]:

@@ -1,0 +1,133 @@
+"""``protocol.arena.Arena`` and how the codec sends arrays carved from one: a group whose
+arrays tile a region of one buffer travels as that region (one zero-copy frame per arena
+block), decodes equal to the original, and carries no byte but the arrays and their zeroed
+padding; views that do not tile (a gap, an overlap, a misaligned offset) or a small region
+fall back to the per-array layout, and every layout round-trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from turnscale.protocol import codec
+from turnscale.protocol import messages as m
+from turnscale.protocol.arena import ALIGN, Arena
+from tests.unit.message_examples import assert_same, episode
+
+torch.set_num_threads(1)
+
+
+def carve(ep: m.Episode, arena: Arena) -> m.Episode:
+    """``ep`` with its four arrays made in ``arena`` (as ``actors/episode.py`` does)."""
+    return m.Episode(token_ids=arena.array(ep.token_ids, np.int32), loss_mask=arena.array(ep.loss_mask, np.uint8),
+                     logprobs=arena.array(ep.logprobs, np.float32), versions=arena.array(ep.versions, np.int32),
+                     prompt_len=ep.prompt_len, turns=ep.turns, finish_reason=ep.finish_reason, reward=ep.reward,
+                     success=ep.success, turn_limit=ep.turn_limit)
+
+
+def group(eps: list[m.Episode]) -> m.TrajectoryGroup:
+    return m.TrajectoryGroup(lease_id="l", actor_id="a", task=m.Task(env="babyai", data_idx=1), turn_limit=5, episodes=eps)
+
+
+def data_bytes(frames) -> int:
+    return sum(memoryview(f).cast("B").nbytes for f in frames[1:])
+
+
+def test_arrays_are_aligned_hold_their_values_and_the_padding_is_zero():
+    arena = Arena(first_block_bytes=64)
+    a = arena.array([1, 2, 3], np.uint8)
+    b = arena.array([1.5, -2.0], np.float32)
+    c = arena.array(np.arange(5), np.int64)
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [1.5, -2.0] and c.tolist() == list(range(5))
+    assert a.base is b.base is c.base  # one block
+    base = a.base.__array_interface__["data"][0]
+    offsets = [x.__array_interface__["data"][0] - base for x in (a, b, c)]
+    assert offsets == [0, 8, 16] and all(o % ALIGN == 0 for o in offsets)
+    a.base[3:8] = 0xFF  # stale bytes where padding goes: the next array's padding is zeroed
+    d = arena.array([7], np.uint8)
+    e = arena.array([9], np.int32)
+    assert d.base is a.base and bytes(a.base[57:64]) == b"\0" * 7 and e.base is not a.base  # e starts a new block
+
+
+def test_a_full_block_starts_a_larger_one_and_earlier_arrays_stay_valid():
+    arena = Arena(first_block_bytes=1024)
+    first = arena.array(np.arange(200), np.int32)  # 800 bytes
+    second = arena.array(np.arange(300), np.int32)  # does not fit: a new block of 2048
+    big = arena.array(np.arange(5000), np.int32)  # larger than the next block: a block of its size
+    assert arena.blocks == 3 and first.base is not second.base is not big.base
+    assert len(second.base) == 2048 and len(big.base) >= big.nbytes
+    assert first.tolist() == list(range(200)) and second.tolist() == list(range(300))
+
+
+@pytest.mark.parametrize("n_episodes,tokens", [(8, 20_000), (3, 70_000), (8, 200)])
+def test_a_group_carved_from_one_arena_travels_as_its_blocks_and_round_trips(n_episodes, tokens):
+    arena = Arena()
+    plain = group([episode(tokens + 17 * i, seed=i) for i in range(n_episodes)])
+    carved = group([carve(ep, arena) for ep in plain.episodes])
+    frames = codec.encode(carved)
+    got = codec.decode([bytes(f) for f in frames])
+    assert_same(plain, got)
+    arrays = [a for ep in carved.episodes for a in (ep.token_ids, ep.loss_mask, ep.logprobs, ep.versions)]
+    nbytes = sum(a.nbytes for a in arrays)
+    if nbytes >= 2 * codec.OWN_FRAME_BYTES:
+        assert len(frames) == 1 + arena.blocks  # header + one frame per block
+        assert data_bytes(frames) < nbytes + ALIGN * len(arrays)  # nothing but the arrays and padding
+    else:  # a small group: the per-array layout, exactly as for arrays of their own
+        assert [bytes(f) for f in frames] == [bytes(f) for f in codec.encode(plain)]
+
+
+def test_zero_copy_frames_view_the_arena():
+    arena = Arena()
+    carved = group([carve(episode(30_000, seed=i), arena) for i in range(4)])
+    frames = codec.encode(carved)
+    block = carved.episodes[0].token_ids.base
+    first = np.frombuffer(frames[1], np.uint8)
+    assert np.shares_memory(first, block)
+
+
+def test_views_that_do_not_tile_fall_back_to_the_per_array_layout_and_round_trip():
+    """A gap (an episode's arrays in the arena but not in the message), an overlap (one
+    array sent in two fields) and an offset not aligned to the item size (the decoder
+    would refuse it) each fall back; the message still round-trips."""
+    arena = Arena()
+    eps = [carve(episode(30_000, seed=i), arena) for i in range(3)]
+    gap = group([eps[0], eps[2]])
+    frames = codec.encode(gap)
+    assert len(frames) > 1 + arena.blocks and data_bytes(frames) < sum(
+        a.nbytes for ep in gap.episodes for a in (ep.token_ids, ep.loss_mask, ep.logprobs, ep.versions)) + 64
+    assert_same(gap, codec.decode([bytes(f) for f in frames]))
+
+    e = eps[0]
+    overlap = group([m.Episode(token_ids=e.token_ids, loss_mask=e.loss_mask, logprobs=e.logprobs, versions=e.token_ids,
+                               prompt_len=e.prompt_len, turns=e.turns, finish_reason=e.finish_reason, reward=e.reward,
+                               success=e.success, turn_limit=e.turn_limit)])
+    assert_same(overlap, codec.decode([bytes(f) for f in codec.encode(overlap)]))
+
+    n = 100_001  # one buffer: a uint8 mask at byte 0, then int32 ids at byte n (tiling, but not 4-aligned)
+    buf = np.zeros(5 * n, np.uint8)
+    buf[n:] = np.arange(4 * n, dtype=np.int64).astype(np.uint8)
+    odd = group([m.Episode(token_ids=buf[n:].view(np.int32), loss_mask=buf[:n], logprobs=np.zeros(n, np.float32),
+                           versions=np.full(n, -1, np.int32), prompt_len=1, turns=[], finish_reason="done", reward=0.0,
+                           success=False, turn_limit=5)])
+    frames = codec.encode(odd)
+    assert len(frames) == 5  # a frame per array, not the buffer's region
+    assert_same(odd, codec.decode([bytes(f) for f in frames]))
+
+
+def test_the_actor_builds_a_group_in_one_arena():
+    """``actors.episode.EpisodeState.episode`` carves from the context's arena."""
+    from turnscale.actors.episode import EpisodeContext, EpisodeEnd, EpisodeState
+
+    arena = Arena()
+    ctx = EpisodeContext(engine=None, renderer=None, env=None, parser=None, sampling=None, turn_limit=3, seed=0,
+                         stop_ids=(), arena=arena)
+    eps = []
+    for i in range(2):
+        st = EpisodeState()
+        st.add_context(list(range(10 + i)))
+        st.add_sampled(np.arange(5, dtype=np.int32), np.full(5, -0.5, np.float32), np.full(5, 2, np.int32))
+        eps.append(st.episode(ctx, EpisodeEnd("done")))
+    bases = {id(a.base) for ep in eps for a in (ep.token_ids, ep.loss_mask, ep.logprobs, ep.versions)}
+    assert len(bases) == 1 and eps[1].token_ids.tolist() == list(range(11)) + list(range(5))
+    assert eps[1].loss_mask.tolist() == [0] * 11 + [1] * 5 and eps[0].versions.tolist() == [-1] * 10 + [2] * 5
