@@ -492,7 +492,10 @@ def run(cfg: Config) -> int:
     finally:
         for sig in previous:  # a second signal must not interrupt the clean-up below
             signal.signal(sig, signal.SIG_IGN)
-        launcher.procs.close()
+        try:
+            launcher.procs.close()
+        except Exception as exc:  # reported, and never in place of the run's own outcome (e.g. exit 143)
+            print(f"turnscale run: stopping the children: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -126,8 +126,12 @@ def test_killing_the_launcher_stops_its_envhub_learner_and_actors(tmp_path, sig)
                 pids[m.group(1)] = int(m.group(2))
         assert {"envhub", "learner", "actor-0", "actor-1"} <= set(pids), "".join(lines[-30:])
         proc.send_signal(sig)
-        rc = proc.wait(timeout=120)
-        assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+        rc = proc.returncode
+        learner_log = run_dir / "logs" / "learner.log"
+        assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), (
+            f"exit {rc}; the launcher's last output:\n{''.join(lines[-5:])}{rest[-3000:]}\nlearner log:\n"
+            + (learner_log.read_text(errors="replace")[-3000:] if learner_log.exists() else "(none)"))
         gone_by = time.monotonic() + 90
         while any(_pid_alive(p) for p in pids.values()) and time.monotonic() < gone_by:
             time.sleep(0.5)
