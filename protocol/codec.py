@@ -177,10 +177,9 @@ def _layout(oob: list[_LateExt], frames: list, out_of_band_bytes: int, own_frame
 
     Views of one buffer (``shared``: carved from one ``protocol.arena.Arena``) that tile a
     region of it of at least ``own_frame_bytes`` travel as that region, one zero-copy frame,
-    whatever their own sizes.  Every
-    other array is placed by size: under ``out_of_band_bytes`` inline in frame 0, from
-    ``own_frame_bytes`` up a zero-copy frame of its own, in between copied into one shared
-    frame (``_pack``; a lone array is its own frame)."""
+    whatever their own sizes.  Every other array is placed by size: under
+    ``out_of_band_bytes`` inline in frame 0, from ``own_frame_bytes`` up a zero-copy frame of
+    its own, in between copied into one shared frame (``_pack``; a lone array is its own frame)."""
     rest: list[_LateExt] = []
     by_owner: dict[int, list[_LateExt]] = {}
     for late in oob:
@@ -190,14 +189,14 @@ def _layout(oob: list[_LateExt], frames: list, out_of_band_bytes: int, own_frame
             rest.append(late)
     for items in by_owner.values():
         region = _tiles(items) if len(items) > 1 else None
-        if region is None or region[2] - region[1] < own_frame_bytes:  # small: copying is cheaper
+        if region is None or region[1] - region[0] < own_frame_bytes:  # small: copying is cheaper
             for late in items:
                 if late.arr.nbytes < out_of_band_bytes:
                     late.inline = True
                 else:
                     rest.append(late)
             continue
-        owner, lo, hi = region
+        owner, (lo, hi) = items[0].arr.base, region
         frames.append(memoryview(owner.reshape(-1).view(np.uint8)[lo:hi]))
         base = _address(owner) + lo
         for late in items:
@@ -217,8 +216,8 @@ def _address(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-def _tiles(items: list[_LateExt]) -> tuple[np.ndarray, int, int] | None:
-    """``(owner, start, end)``: the byte region of the arrays' common owner that they
+def _tiles(items: list[_LateExt]) -> tuple[int, int] | None:
+    """``(start, end)``: the byte region of the arrays' common owner that they
     tile, separated by under ``_ALIGN`` bytes of padding (so the frame carries nothing but
     them), each at an offset from ``start`` aligned to its item size (as the decoder
     requires); None when they do not."""
@@ -230,7 +229,7 @@ def _tiles(items: list[_LateExt]) -> tuple[np.ndarray, int, int] | None:
         if not 0 <= start - pos < _ALIGN or (start - lo) % arr.dtype.itemsize:
             return None
         pos = start + arr.nbytes
-    return owner, lo, pos
+    return lo, pos
 
 
 def _pack(packed: list[tuple[list, np.ndarray]], frames: list) -> None:
