@@ -41,7 +41,7 @@ from turnscale.actors.engine import Engine, EngineError, GenerateRequest
 from turnscale.common.parsing import ActionParser
 from turnscale.common.prompts import initial_messages
 from turnscale.common.renderer import Renderer, RenderError
-from turnscale.protocol.arena import Arena
+from turnscale.protocol.arena import Arena, BlockSizer
 from turnscale.protocol.messages import Episode, Lease, SamplingParams, Task, TrajectoryGroup, Turn
 
 
@@ -283,6 +283,10 @@ def _turn(state: EpisodeState, turn: TurnState) -> Turn:
 
 
 SessionSource = Callable[[int], "EnvSession | Awaitable[EnvSession]"]
+
+GROUP_BLOCKS = BlockSizer()
+"""Sizes each group's arena from this process's recent groups, so a group usually fits
+one block and travels as one data frame (``protocol/arena.py``)."""
 """``sessions(i)`` -> the env session episode ``i`` of the group plays on (sync or async)."""
 
 
@@ -306,7 +310,7 @@ async def run_group(
     import trio
 
     n = lease.group_size
-    arena = Arena()  # the group's arrays, so it travels as a few data frames
+    arena = GROUP_BLOCKS.arena()  # the group's arrays, so it travels as one or a few data frames
     episodes: list[Episode | None] = [None] * n
     crashes: list[str] = []
 
@@ -333,6 +337,7 @@ async def run_group(
     async with trio.open_nursery() as nursery:
         for i in range(n):
             nursery.start_soon(one, i)
+    GROUP_BLOCKS.observe(arena)
     done = [ep for ep in episodes if ep is not None]
     errors = list(crashes) + [f"episode {i}: {ep.finish_reason}: {ep.error}" for i, ep in enumerate(episodes) if ep is not None and not ep.trainable]
     return TrajectoryGroup(

@@ -65,15 +65,19 @@ def _parse_size(text: str) -> int:
 
 def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: int = 0, arena: bool = True):
     """A valid GRPO-shaped ``TrajectoryGroup`` whose encoding is about ``target_bytes``;
-    with ``arena`` its arrays are carved from one ``protocol.arena.Arena``, as the actor
-    builds a group (``actors/episode.py``), else each array is its own."""
+    with ``arena`` its arrays are carved from one ``protocol.arena.Arena`` sized by a
+    ``BlockSizer`` that saw a group like it, as an actor in steady state builds a group
+    (``actors/episode.py``), else each array is its own."""
     from turnscale.protocol import codec
     from turnscale.protocol import messages as m
-    from turnscale.protocol.arena import Arena
+    from turnscale.protocol.arena import BlockSizer
+
+    sizer = BlockSizer()
 
     def build(tokens: int):
         rng = np.random.default_rng(seed)
-        place = Arena().array if arena else (lambda values, dtype: np.asarray(values, dtype=dtype))
+        blocks = sizer.arena()
+        place = blocks.array if arena else (lambda values, dtype: np.asarray(values, dtype=dtype))
         eps = []
         for e in range(n_episodes):
             prompt = max(1, tokens // 8)
@@ -94,6 +98,7 @@ def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: 
                                  loss_mask=place(mask, np.uint8), logprobs=place(logprobs, np.float32),
                                  versions=place(np.where(mask == 1, 7, -1), np.int32), prompt_len=prompt, turns=turn_recs,
                                  finish_reason="done", reward=1.0, success=True, turn_limit=turns))
+        sizer.observe(blocks)
         return m.TrajectoryGroup(lease_id="l-123", actor_id="bench-actor", task=m.Task(env="babyai", data_idx=123), turn_limit=turns, episodes=eps)
 
     def size(g) -> int:
@@ -104,6 +109,7 @@ def make_group(target_bytes: int, *, n_episodes: int = 8, turns: int = 8, seed: 
     s1, s2 = size(build(t1)), size(build(t2))
     per_token = (s2 - s1) / (t2 - t1)
     tokens = max(t1, int(t1 + (target_bytes - s1) / per_token))
+    build(tokens)  # an actor's earlier groups, which size its arena's first block
     group = build(tokens)
     return group, size(group)
 

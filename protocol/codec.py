@@ -166,10 +166,12 @@ class _LateExt:
     """An array's ext, packed once ``_layout`` has placed it: out of band (its frame and
     offset in ``meta``) or, for a small view of a buffer that is not sent whole, inline."""
 
-    __slots__ = ("meta", "arr", "shared", "inline")
+    __slots__ = ("meta", "arr", "shared", "inline", "address")
 
     def __init__(self, meta: list, arr: np.ndarray, shared: bool) -> None:
         self.meta, self.arr, self.shared, self.inline = meta, arr, shared, False
+        self.address = 0
+        """The array's data address, once ``_layout`` needs it (~1 us to read: read once)."""
 
 
 def _layout(oob: list[_LateExt], frames: list, out_of_band_bytes: int, own_frame_bytes: int) -> None:
@@ -188,7 +190,13 @@ def _layout(oob: list[_LateExt], frames: list, out_of_band_bytes: int, own_frame
         else:
             rest.append(late)
     for items in by_owner.values():
-        region = _tiles(items) if len(items) > 1 else None
+        owner = items[0].arr.base
+        region = None
+        if len(items) > 1:
+            start = _address(owner)
+            for late in items:
+                late.address = _address(late.arr) - start
+            region = _tiles(items)
         if region is None or region[1] - region[0] < own_frame_bytes:  # small: copying is cheaper
             for late in items:
                 if late.arr.nbytes < out_of_band_bytes:
@@ -196,11 +204,10 @@ def _layout(oob: list[_LateExt], frames: list, out_of_band_bytes: int, own_frame
                 else:
                     rest.append(late)
             continue
-        owner, (lo, hi) = items[0].arr.base, region
+        lo, hi = region
         frames.append(memoryview(owner.reshape(-1).view(np.uint8)[lo:hi]))
-        base = _address(owner) + lo
         for late in items:
-            late.meta[2], late.meta[3] = len(frames) - 1, _address(late.arr) - base
+            late.meta[2], late.meta[3] = len(frames) - 1, late.address - lo
     packed = []
     for late in rest:
         if late.arr.nbytes >= own_frame_bytes:
@@ -220,10 +227,8 @@ def _tiles(items: list[_LateExt]) -> tuple[int, int] | None:
     """``(start, end)``: the byte region of the arrays' common owner that they
     tile, separated by under ``_ALIGN`` bytes of padding (so the frame carries nothing but
     them), each at an offset from ``start`` aligned to its item size (as the decoder
-    requires); None when they do not."""
-    owner = items[0].arr.base
-    base = _address(owner)
-    spans = sorted(((_address(late.arr) - base, late.arr) for late in items), key=lambda x: x[0])
+    requires); None when they do not.  Each item's ``address`` is its offset in the owner."""
+    spans = sorted(((late.address, late.arr) for late in items), key=lambda x: x[0])
     lo = pos = spans[0][0]
     for start, arr in spans:
         if not 0 <= start - pos < _ALIGN or (start - lo) % arr.dtype.itemsize:
@@ -258,6 +263,15 @@ def _plain_converter(cls: type) -> Any:
     msgpack.  (The generic path, msgpack's ``default`` hook per record, costs several
     times more for a group of hundreds of records.)"""
     hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    if _dict_backed(cls) and all(hints[f.name] in (str, int, bool, bytes, float) for f in fields):
+        n = len(fields)
+
+        def plain_dict(o: Any, array: Any) -> dict:
+            d = o.__dict__  # exactly the fields, in field order (``messages.record(slots=False)``)
+            return d if len(d) == n else {f.name: getattr(o, f.name) for f in fields}
+
+        return plain_dict
     ns: dict[str, Any] = {}
     items = []
     for i, f in enumerate(dataclasses.fields(cls)):
@@ -279,6 +293,16 @@ def _plain_converter(cls: type) -> Any:
         items.append(f"{f.name!r}: {value}")
     exec(f"def plain(o, array):\n    return {{{', '.join(items)}}}", ns)  # noqa: S102 - our own annotations only
     return ns["plain"]
+
+
+def _dict_backed(cls: type) -> bool:
+    """A record without slots, whose instances keep their fields in ``__dict__``
+    (``messages.record(slots=False)``), and no ``__post_init__`` to run."""
+    return "__slots__" not in cls.__dict__ and not hasattr(cls, "__post_init__")
+
+
+_set_dict = object.__setattr__
+"""``_set_dict(obj, "__dict__", d)`` on a frozen record (its own ``__setattr__`` refuses)."""
 
 
 @lru_cache(maxsize=None)
@@ -588,7 +612,24 @@ def _record_converter(cls: type) -> Converter:
             body += call
         args.append(f"{f.name}={v}")
     fields = dataclasses.fields(cls)
-    if "__slots__" in cls.__dict__ and not hasattr(cls, "__post_init__"):
+    scalar = all(hints[f.name] in (str, int, bool, bytes, float) for f in fields)
+    if _dict_backed(cls) and scalar:
+        # A dict-backed record (``messages.record(slots=False)``): every field was checked
+        # above; its ``__dict__`` is a fresh map of them in field order.  The whole-record
+        # fast path adopts the decoded map itself as the ``__dict__`` once it holds every
+        # field, in field order, each of exactly its annotated type.
+        names["_new"], names["_setdict"] = object.__new__, _set_dict
+        names["order"] = tuple(f.name for f in fields)
+        names["types"] = tuple(hints[f.name] for f in fields)
+        body += ["    obj = _new(cls)", f"    _setdict(obj, '__dict__', {{{', '.join(f'{f.name!r}: v{i}' for i, f in enumerate(fields))}}})"]
+        fast = [
+            "    if type(body) is dict and tuple(body) == order and tuple(map(type, body.values())) == types:",
+            "        obj = _new(cls)",
+            "        _setdict(obj, '__dict__', body)",
+            "        return obj" if getattr(cls, "check", None) is None else "        return _finish(obj)",
+        ]
+        body[1:1] = fast
+    elif "__slots__" in cls.__dict__ and not hasattr(cls, "__post_init__"):
         # Every field was checked above: fill the slots directly, as the frozen
         # dataclass __init__ would (it costs an object.__setattr__ call per field).
         names["_new"] = object.__new__
@@ -597,7 +638,7 @@ def _record_converter(cls: type) -> Converter:
             names[f"s{i}"] = cls.__dict__[f.name].__set__
             fill += [f"    s{i}(obj, v{i})"]
         body += fill
-        if all(hints[f.name] in (str, int, bool, bytes, float) for f in fields):
+        if scalar:
             # Whole-record fast path: the map holds every field, in the encoder's order,
             # each of exactly its annotated type (what our own encoder always writes);
             # two C-level tuple comparisons replace the per-field checks.  Anything else

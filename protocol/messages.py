@@ -76,11 +76,16 @@ def array_field(dtype: str, ndim: int = 1) -> Any:
     return field(metadata={"dtype": np.dtype(dtype), "ndim": ndim})
 
 
-def record(cls=None, /, *, eq: bool = True):
-    """Decorator: a frozen, slotted, keyword-only dataclass registered with the codec."""
+def record(cls=None, /, *, eq: bool = True, slots: bool = True):
+    """Decorator: a frozen, keyword-only dataclass registered with the codec; slotted
+    unless ``slots=False``.  ``slots=False`` is for a record of scalar fields only that a
+    message carries by the hundred (``Turn``): its ``__dict__`` holds exactly its fields
+    in field order, so the codec writes that dict as the record's map and adopts the map
+    it decoded as the new record's ``__dict__`` (a few times cheaper per record than
+    reading and filling a dozen slots; ``protocol/codec.py``)."""
 
     def wrap(c):
-        d = dataclass(frozen=True, slots=True, kw_only=True, eq=eq)(c)
+        d = dataclass(frozen=True, slots=slots, kw_only=True, eq=eq)(c)
         REGISTRY[d.__name__] = d
         return d
 
@@ -408,9 +413,9 @@ class LeaseGrant:
     """When ``leases`` is short, ask again after this many seconds (admission control)."""
 
 
-@record
+@record(slots=False)
 class Turn:
-    """One model turn of an episode."""
+    """One model turn of an episode (a dict-backed record: a group carries ~64 of them)."""
 
     index: int
     """Turn number from 0."""

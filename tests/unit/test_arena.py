@@ -12,7 +12,7 @@ import torch
 
 from turnscale.protocol import codec
 from turnscale.protocol import messages as m
-from turnscale.protocol.arena import ALIGN, Arena
+from turnscale.protocol.arena import ALIGN, Arena, BlockSizer
 from tests.unit.message_examples import assert_same, episode
 
 torch.set_num_threads(1)
@@ -58,6 +58,48 @@ def test_a_full_block_starts_a_larger_one_and_earlier_arrays_stay_valid():
     assert arena.blocks == 3 and first.base is not second.base is not big.base
     assert len(second.base) == 2048 and len(big.base) >= big.nbytes
     assert first.tolist() == list(range(200)) and second.tolist() == list(range(300))
+
+
+def test_used_bytes_counts_every_block_and_its_padding():
+    arena = Arena(first_block_bytes=1024)
+    arena.array(np.arange(3), np.uint8)  # 3 bytes
+    arena.array(np.arange(200), np.int32)  # 5 bytes of padding, then 800
+    assert arena.used_bytes == 808
+    arena.array(np.arange(300), np.int32)  # a new block: 1200 more, no padding carried over
+    assert arena.blocks == 2 and arena.used_bytes == 2008
+
+
+def test_a_sizer_that_saw_a_group_makes_the_next_one_like_it_travel_as_one_data_frame():
+    """An actor's groups are alike: once the sizer has seen one, the next group of the same
+    size fits the first block, so it is a header and one data frame (from a plain 1 MB
+    arena, a 4 MB group takes three blocks, three frames)."""
+    plain = group([episode(40_000 + 17 * i, seed=i) for i in range(8)])
+    sizer = BlockSizer()
+    first = sizer.arena()
+    frames = codec.encode(group([carve(ep, first) for ep in plain.episodes]))
+    assert first.blocks == 3 and len(frames) == 1 + 3
+    sizer.observe(first)
+    assert sizer.first_block_bytes() >= 1.25 * first.used_bytes and sizer.first_block_bytes() % (1 << 20) == 0
+    second = sizer.arena()
+    carved = group([carve(ep, second) for ep in plain.episodes])
+    frames = codec.encode(carved)
+    assert second.blocks == 1 and len(frames) == 2
+    assert_same(plain, codec.decode([bytes(f) for f in frames]))
+
+
+def test_a_sizer_stays_between_its_floor_and_cap_and_forgets_old_groups():
+    sizer = BlockSizer(floor=1 << 20, cap=8 << 20, keep=2)
+    assert sizer.first_block_bytes() == 1 << 20  # nothing seen yet
+    big, small = Arena(64 << 20), Arena()
+    big.array(np.zeros(40 << 20, np.uint8), np.uint8)
+    small.array(np.zeros(1000, np.uint8), np.uint8)
+    sizer.observe(big)
+    assert sizer.first_block_bytes() == 8 << 20  # capped; a larger group grows blocks as before
+    sizer.observe(small)
+    sizer.observe(small)  # the big group has left the window of 2
+    assert sizer.first_block_bytes() == 1 << 20
+    with pytest.raises(ValueError):
+        BlockSizer(floor=4 << 20, cap=1 << 20)
 
 
 @pytest.mark.parametrize("n_episodes,tokens", [(8, 20_000), (3, 70_000), (8, 200)])
@@ -113,6 +155,50 @@ def test_views_that_do_not_tile_fall_back_to_the_per_array_layout_and_round_trip
     frames = codec.encode(odd)
     assert len(frames) == 5  # a frame per array, not the buffer's region
     assert_same(odd, codec.decode([bytes(f) for f in frames]))
+
+
+def test_run_group_sizes_each_groups_arena_from_the_groups_before():
+    """``actors.episode.run_group`` takes its arena from ``GROUP_BLOCKS`` and reports the
+    finished group's bytes to it."""
+    import trio
+
+    from turnscale.actors import episode as ep_mod
+
+    seen = []
+
+    class Sizer(BlockSizer):
+        def arena(self) -> Arena:
+            seen.append("arena")
+            return super().arena()
+
+        def observe(self, arena: Arena) -> None:
+            seen.append(arena.used_bytes)
+            super().observe(arena)
+
+    old, ep_mod.GROUP_BLOCKS = ep_mod.GROUP_BLOCKS, Sizer()
+    try:
+        async def play(**kw):
+            st = ep_mod.EpisodeState()
+            st.add_context(list(range(10)))
+            st.add_sampled(np.arange(5, dtype=np.int32), np.full(5, -0.5, np.float32), np.full(5, 2, np.int32))
+            ctx = ep_mod.EpisodeContext(engine=None, renderer=None, env=None, parser=None, sampling=None, turn_limit=3,
+                                        seed=0, stop_ids=(), arena=kw["arena"])
+            return st.episode(ctx, ep_mod.EpisodeEnd("done"))
+
+        real, ep_mod.run_episode = ep_mod.run_episode, play
+        try:
+            lease = m.Lease(lease_id="l", task=m.Task(env="babyai", data_idx=1), group_size=2, seed=3, turn_limit=3,
+                            policy_version=0, ttl_s=60.0)
+            g = trio.run(lambda: ep_mod.run_group(engine=None, renderer=None, sessions=lambda i: None, lease=lease,
+                                                  actor_id="a", sampling=None, parser=None, prompt=""))
+        finally:
+            ep_mod.run_episode = real
+    finally:
+        ep_mod.GROUP_BLOCKS = old
+    assert len(g.episodes) == 2 and not g.failed
+    arrays = [a for ep in g.episodes for a in (ep.token_ids, ep.loss_mask, ep.logprobs, ep.versions)]
+    assert seen[0] == "arena" and len(seen) == 2 and len({id(a.base) for a in arrays}) == 1
+    assert sum(a.nbytes for a in arrays) <= seen[1] < sum(a.nbytes for a in arrays) + ALIGN * len(arrays)
 
 
 def test_the_actor_builds_a_group_in_one_arena():

@@ -126,3 +126,33 @@ def test_array_ext_payloads_are_the_bytes_msgpack_would_write():
         assert payload == msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()], use_bin_type=True)
     for meta in (["<i4", (5,), 1, 0], ["<f4", (2, 3), 300, 70000], ["|u1", (1 << 33,), 2, 1 << 40]):
         assert codec._pack_meta(meta) == msgpack.packb([meta[0], list(meta[1]), *meta[2:]], use_bin_type=True)
+
+
+# ----------------------------------------------------------------------------- dict-backed records
+# ``Turn`` is ``record(slots=False)``: the encoder writes its ``__dict__`` as its map and the
+# fast path adopts the decoded map as the new record's ``__dict__``.
+
+
+def test_a_decoded_dict_backed_record_holds_exactly_its_fields_in_order_and_stays_frozen():
+    in_order = codec.decode(_turn(_body(TURN)))
+    reordered = codec.decode(_turn(dict(reversed(list(_body(TURN).items())))))
+    coerced = codec.decode(_turn({**_body(TURN), "reward": 1}))
+    for out in (in_order, reordered, coerced):
+        assert list(vars(out)) == [f.name for f in dataclasses.fields(m.Turn)]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            out.reward = 2.0  # type: ignore[misc]
+    assert in_order == reordered == TURN and hash(in_order) == hash(TURN)
+    assert vars(coerced) == {**_body(TURN), "reward": 1.0}
+
+
+def test_the_encoder_writes_a_dict_backed_record_as_the_map_of_its_fields():
+    frame = codec.encode(TURN)[0]
+    assert msgpack.unpackb(frame)["b"] == _body(TURN) and list(msgpack.unpackb(frame)["b"]) == list(_body(TURN))
+    stray = m.Turn(**_body(TURN))
+    object.__setattr__(stray, "extra", 1)  # not a field: never written
+    assert codec.encode(stray) == codec.encode(TURN)
+
+
+def test_a_turn_built_with_an_int_reward_round_trips_as_a_float():
+    out = codec.decode(codec.encode(m.Turn(**{**_body(TURN), "reward": 0})))
+    assert out.reward == 0.0 and type(out.reward) is float
