@@ -17,7 +17,10 @@ builds a group (so a large group is a few frames).  Figures: ``transport_<size>_
 ``transport_<size>_groups_s`` (groups/s, reported) and, with a receiver process,
 ``transport_<size>_cpu_us`` (CPU time per group of sender + receiver, all threads; ratio
 raw / system, reported): on a shared machine the wall-clock figures move with other
-processes' load, the CPU figure much less.
+processes' load, the CPU figure much less.  Ceiling (``--transport-ceiling``, on by
+default): the same bytes as ``[tag, payload]`` through the system's trio ``AsyncSocket`` on
+both sides with a one-byte ack and no codec, ``transport_<size>_trio_bytes_mb_s`` and
+``_cpu_us`` against raw: the most any codec could reach over this socket path.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--transport-window", type=int, default=8, help="unacknowledged messages in flight")
     parser.add_argument("--transport-receiver", choices=["process", "thread", "both"], default="process",
                         help="receiver in another process (realistic), in a thread of this one, or both")
+    parser.add_argument("--transport-ceiling", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the trio socket path with raw bytes, no codec (the ceiling for the codec)")
     parser.add_argument("--transport-repeats", type=int, default=2,
                         help="alternate system/baseline this many times per size; the best of each is reported")
 
@@ -184,6 +189,41 @@ def serve_raw(endpoint_file: str | None, ready: Any = None) -> None:
     ctx.term()
 
 
+def serve_trio_bytes(endpoint_file: str | None, ready: Any = None) -> None:
+    """Ceiling receiver: the system's trio ROUTER (``AsyncSocket``) with no codec: takes
+    ``[tag, payload]`` and answers ``[tag, b"k"]``; stops on tag ``b"s"``."""
+    import trio
+    import zmq
+
+    from turnscale.protocol.transport import AsyncSocket, SocketLimits, configure
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        router = configure(ctx.socket(zmq.ROUTER), SocketLimits())
+        _announce(router.bind_to_random_port("tcp://127.0.0.1"), endpoint_file, ready)
+        sock = AsyncSocket(router)
+        n, cpu0 = 0, None
+        with trio.move_on_after(ENV_MAX_LIFETIME_S):
+            while True:
+                ident, tag, *_ = await sock.recv_multipart(copy=False)
+                tag = tag.bytes
+                if tag == b"s":
+                    cpu = _cpu_s() - cpu0 if cpu0 is not None else 0.0
+                    await sock.send_multipart([ident, tag, f"{cpu} {n}".encode()])
+                    break
+                if tag != b"w" and cpu0 is None:
+                    cpu0 = _cpu_s()
+                await sock.send_multipart([ident, tag, b"k"])
+                n += tag != b"w"
+        sock.close()
+        ctx.term()
+
+    trio.run(main)
+
+
+SERVERS = {"system": serve_system, "raw": serve_raw, "trio": serve_trio_bytes}
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process, all threads (ZeroMQ's I/O thread included)."""
     import resource
@@ -224,7 +264,7 @@ class _Receiver:
                 got.append(port)
                 event.set()
 
-            target = serve_system if kind == "system" else serve_raw
+            target = SERVERS[kind]
             self.thread = threading.Thread(target=target, args=(None, ready), daemon=True)
             self.thread.start()
             if not event.wait(30):
@@ -294,6 +334,47 @@ def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int
     return trio.run(main)
 
 
+def send_trio_bytes(port: int, nbytes: int, seconds: float, window: int) -> tuple[int, float, float, float]:
+    """Ceiling sender: the system's trio DEALER (``AsyncSocket``) sending ``[tag, payload]``
+    of ``nbytes`` with ``copy=False``, no codec: what the socket path alone allows."""
+    import trio
+    import zmq
+
+    from turnscale.protocol.transport import AsyncSocket, SocketLimits, configure
+
+    payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+
+    async def main() -> tuple[int, float, float, float]:
+        ctx = zmq.Context()
+        dealer = configure(ctx.socket(zmq.DEALER), SocketLimits())
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        sock = AsyncSocket(dealer)
+        for _ in range(window):
+            await sock.send_multipart([b"w", payload])
+            await sock.recv_multipart(copy=False)
+        outstanding = sent = 0
+        t0, cpu0 = time.perf_counter(), _cpu_s()
+        deadline = t0 + seconds
+        while time.perf_counter() < deadline:
+            if outstanding == window:
+                await sock.recv_multipart(copy=False)
+                outstanding -= 1
+            await sock.send_multipart([sent.to_bytes(8, "little"), payload])
+            outstanding += 1
+            sent += 1
+        while outstanding:
+            await sock.recv_multipart(copy=False)
+            outstanding -= 1
+        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+        await sock.send_multipart([b"s"])
+        rx_cpu, rx_n = (await sock.recv_multipart())[1].bytes.split()
+        sock.close()
+        ctx.term()
+        return sent, elapsed, cpu, float(rx_cpu) * sent / max(1, int(rx_n))
+
+    return trio.run(main)
+
+
 def send_raw(port: int, nbytes: int, seconds: float, window: int) -> tuple[int, float, float, float]:
     """Baseline sender: blocking pyzmq DEALER, one frame of ``nbytes`` with ``copy=False``."""
     import zmq
@@ -340,6 +421,8 @@ def measure(kind: str, where: str, group: Any, nbytes: int, seconds: float, wind
     try:
         if kind == "system":
             n, elapsed, tx_cpu, rx_cpu = send_system(rx.port, group, seconds, window)
+        elif kind == "trio":
+            n, elapsed, tx_cpu, rx_cpu = send_trio_bytes(rx.port, nbytes, seconds, window)
         else:
             n, elapsed, tx_cpu, rx_cpu = send_raw(rx.port, nbytes, seconds, window)
     finally:
@@ -355,14 +438,17 @@ def run(args: argparse.Namespace) -> list[Result]:
     receiver = getattr(args, "transport_receiver", "process")
     repeats = max(1, int(getattr(args, "transport_repeats", 2)))
     wheres = ["process", "thread"] if receiver == "both" else [receiver]
+    ceiling = bool(getattr(args, "transport_ceiling", True))
     results: list[Result] = []
     for label in sizes:
         group, nbytes = make_group(_parse_size(label))
         for where in wheres:
-            sys_runs, raw_runs = [], []
-            for _ in range(repeats):  # alternate, so drift on a shared machine hits both
+            sys_runs, raw_runs, trio_runs = [], [], []
+            for _ in range(repeats):  # alternate, so drift on a shared machine hits all
                 sys_runs.append(measure("system", where, group, nbytes, seconds / repeats, window))
                 raw_runs.append(measure("raw", where, group, nbytes, seconds / repeats, window))
+                if ceiling and where == "process":
+                    trio_runs.append(measure("trio", where, group, nbytes, seconds / repeats, window))
             sys_best, raw_best = max(sys_runs), max(raw_runs)
             suffix = "" if where == "process" else "_thread"
             base = f"raw zmq bytes ({nbytes / 1e6:.3f} MB, copy=False, receiver {where})"
@@ -371,12 +457,17 @@ def run(args: argparse.Namespace) -> list[Result]:
             if where == "process":
                 sys_cpu, raw_cpu = min(r[2] for r in sys_runs), min(r[2] for r in raw_runs)
                 results.append(result(f"transport_{label}_cpu_us", sys_cpu, "CPU us/group (both sides)", base, raw_cpu, lower_is_better=True))
+            if trio_runs:  # the socket path alone: the most the codec could ever reach
+                trio_best = max(trio_runs)
+                results.append(result(f"transport_{label}_trio_bytes_mb_s", trio_best[0], "MB/s", base, raw_best[0]))
+                results.append(result(f"transport_{label}_trio_bytes_cpu_us", min(r[2] for r in trio_runs), "CPU us/message (both sides)",
+                                      base, raw_cpu, lower_is_better=True))
     return results
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
-        (serve_system if sys.argv[2] == "system" else serve_raw)(None)
+        SERVERS[sys.argv[2]](None)
         sys.exit(0)
     from turnscale.benchmarks.main import main
 

@@ -26,7 +26,8 @@ def test_bench_transport_writes_results_json_and_chart(tmp_path):
     doc = json.loads(out_json.read_text())
     assert {"platform", "python", "cpus"} <= set(doc["machine"])
     names = [r["name"] for r in doc["results"]]
-    assert names == [f"transport_{s}_{f}" for s in ("64KB", "1MB") for f in ("mb_s", "groups_s", "cpu_us")]
+    figures = ("mb_s", "groups_s", "cpu_us", "trio_bytes_mb_s", "trio_bytes_cpu_us")  # with the socket-path ceiling
+    assert names == [f"transport_{s}_{f}" for s in ("64KB", "1MB") for f in figures]
     for r in doc["results"]:
         assert set(r) == KEYS
         assert r["value"] > 0 and r["baseline_value"] > 0
@@ -35,6 +36,12 @@ def test_bench_transport_writes_results_json_and_chart(tmp_path):
         assert r["ratio"] == pytest.approx(expected)
     assert (plots / "ratios.png").stat().st_size > 0
     assert "transport_1MB_mb_s" in proc.stdout
+
+
+def test_a_steady_state_benchmark_group_of_4mb_is_a_header_and_one_data_frame():
+    """As an actor's group is once its ``BlockSizer`` has seen one like it."""
+    group, _ = make_group(4 << 20)
+    assert len(codec.encode(group)) == 2
 
 
 @pytest.mark.parametrize("target", [64 << 10, 4 << 20])
