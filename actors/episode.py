@@ -283,11 +283,11 @@ def _turn(state: EpisodeState, turn: TurnState) -> Turn:
 
 
 SessionSource = Callable[[int], "EnvSession | Awaitable[EnvSession]"]
+"""``sessions(i)`` -> the env session episode ``i`` of the group plays on (sync or async)."""
 
 GROUP_BLOCKS = BlockSizer()
 """Sizes each group's arena from this process's recent groups, so a group usually fits
 one block and travels as one data frame (``protocol/arena.py``)."""
-"""``sessions(i)`` -> the env session episode ``i`` of the group plays on (sync or async)."""
 
 
 async def run_group(
