@@ -35,7 +35,7 @@ def data_bytes(frames) -> int:
 
 
 def test_arrays_are_aligned_hold_their_values_and_the_padding_is_zero():
-    arena = Arena(first_block_bytes=64)
+    arena = Arena(first_block_bytes=72)
     a = arena.array([1, 2, 3], np.uint8)
     b = arena.array([1.5, -2.0], np.float32)
     c = arena.array(np.arange(5), np.int64)
@@ -44,10 +44,12 @@ def test_arrays_are_aligned_hold_their_values_and_the_padding_is_zero():
     base = a.base.__array_interface__["data"][0]
     offsets = [x.__array_interface__["data"][0] - base for x in (a, b, c)]
     assert offsets == [0, 8, 16] and all(o % ALIGN == 0 for o in offsets)
-    a.base[3:8] = 0xFF  # stale bytes where padding goes: the next array's padding is zeroed
-    d = arena.array([7], np.uint8)
-    e = arena.array([9], np.int32)
-    assert d.base is a.base and bytes(a.base[57:64]) == b"\0" * 7 and e.base is not a.base  # e starts a new block
+    a.base[56:72] = 0xFF  # stale bytes where the next arrays and their padding go
+    d = arena.array([7], np.uint8)  # byte 56
+    e = arena.array([9], np.int32)  # bytes 64-67, after 7 bytes of padding, zeroed
+    f = arena.array([1], np.int64)  # would end past byte 72: a new block
+    assert d.base is e.base is a.base and bytes(a.base[57:64]) == b"\0" * 7 and e.tolist() == [9]
+    assert f.base is not a.base and arena.blocks == 2
 
 
 def test_a_full_block_starts_a_larger_one_and_earlier_arrays_stay_valid():
