@@ -287,6 +287,29 @@ class _Receiver:
 # ----------------------------------------------------------------------------- senders
 
 
+async def _trio_window(sock: Any, message: Any, ack: Any, seconds: float, window: int) -> tuple[int, float, float]:
+    """The trio senders' loop: ``window`` warm-up round trips (tag ``w``), then for
+    ``seconds`` keep ``window`` messages ``[tag, *message()]`` unacknowledged; returns
+    (messages sent, seconds, CPU seconds of this process)."""
+    for _ in range(window):  # warm-up: connection, allocator, caches
+        await sock.send_multipart([b"w", *message()])
+        await ack()
+    outstanding = sent = 0
+    t0, cpu0 = time.perf_counter(), _cpu_s()
+    deadline = t0 + seconds
+    while time.perf_counter() < deadline:
+        if outstanding == window:
+            await ack()
+            outstanding -= 1
+        await sock.send_multipart([sent.to_bytes(8, "little"), *message()])
+        outstanding += 1
+        sent += 1
+    while outstanding:
+        await ack()
+        outstanding -= 1
+    return sent, time.perf_counter() - t0, _cpu_s() - cpu0
+
+
 def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int, float, float, float]:
     """Actor-shaped sender: trio DEALER, encode per group, decode each GroupAck."""
     import trio
@@ -301,29 +324,13 @@ def send_system(port: int, group: Any, seconds: float, window: int) -> tuple[int
         dealer = configure(ctx.socket(zmq.DEALER), SocketLimits())
         dealer.connect(f"tcp://127.0.0.1:{port}")
         sock = AsyncSocket(dealer)
-        outstanding = sent = 0
 
         async def ack() -> None:
             frames = await sock.recv_multipart(copy=False)
             reply = codec.decode(frames[1:], expect=m.GroupAck)
             assert reply.accepted
 
-        for _ in range(window):  # warm-up: connection, allocator, caches
-            await sock.send_multipart([b"w", *codec.encode(group)])
-            await ack()
-        t0, cpu0 = time.perf_counter(), _cpu_s()
-        deadline = t0 + seconds
-        while time.perf_counter() < deadline:
-            if outstanding == window:
-                await ack()
-                outstanding -= 1
-            await sock.send_multipart([sent.to_bytes(8, "little"), *codec.encode(group)])
-            outstanding += 1
-            sent += 1
-        while outstanding:
-            await ack()
-            outstanding -= 1
-        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+        sent, elapsed, cpu = await _trio_window(sock, lambda: codec.encode(group), ack, seconds, window)
         await sock.send_multipart([b"s", *codec.encode(m.Shutdown(reason="bench done"))])
         frames = await sock.recv_multipart(copy=False)
         rx_cpu, rx_n = codec.decode(frames[1:], expect=m.GroupAck).reason.split()
@@ -349,23 +356,11 @@ def send_trio_bytes(port: int, nbytes: int, seconds: float, window: int) -> tupl
         dealer = configure(ctx.socket(zmq.DEALER), SocketLimits())
         dealer.connect(f"tcp://127.0.0.1:{port}")
         sock = AsyncSocket(dealer)
-        for _ in range(window):
-            await sock.send_multipart([b"w", payload])
+
+        async def ack() -> None:
             await sock.recv_multipart(copy=False)
-        outstanding = sent = 0
-        t0, cpu0 = time.perf_counter(), _cpu_s()
-        deadline = t0 + seconds
-        while time.perf_counter() < deadline:
-            if outstanding == window:
-                await sock.recv_multipart(copy=False)
-                outstanding -= 1
-            await sock.send_multipart([sent.to_bytes(8, "little"), payload])
-            outstanding += 1
-            sent += 1
-        while outstanding:
-            await sock.recv_multipart(copy=False)
-            outstanding -= 1
-        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+
+        sent, elapsed, cpu = await _trio_window(sock, lambda: (payload,), ack, seconds, window)
         await sock.send_multipart([b"s"])
         rx_cpu, rx_n = (await sock.recv_multipart())[1].bytes.split()
         sock.close()

@@ -301,10 +301,6 @@ def _dict_backed(cls: type) -> bool:
     return "__slots__" not in cls.__dict__ and not hasattr(cls, "__post_init__")
 
 
-_set_dict = object.__setattr__
-"""``_set_dict(obj, "__dict__", d)`` on a frozen record (its own ``__setattr__`` refuses)."""
-
-
 @lru_cache(maxsize=None)
 def _field_names(cls: type) -> tuple[str, ...] | None:
     """Field names of a dataclass type (None for anything else), computed once per type."""
@@ -618,7 +614,7 @@ def _record_converter(cls: type) -> Converter:
         # above; its ``__dict__`` is a fresh map of them in field order.  The whole-record
         # fast path adopts the decoded map itself as the ``__dict__`` once it holds every
         # field, in field order, each of exactly its annotated type.
-        names["_new"], names["_setdict"] = object.__new__, _set_dict
+        names["_new"], names["_setdict"] = object.__new__, object.__setattr__
         names["order"] = tuple(f.name for f in fields)
         names["types"] = tuple(hints[f.name] for f in fields)
         body += ["    obj = _new(cls)", f"    _setdict(obj, '__dict__', {{{', '.join(f'{f.name!r}: v{i}' for i, f in enumerate(fields))}}})"]
