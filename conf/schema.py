@@ -532,9 +532,15 @@ class WarmStartConfig:
     """Predicted share of groups with both a success and a failure that counts as signal."""
     probe_tasks_per_level: int = 8
     """Training tasks per level in the probe after each round (held-out tasks are never used)."""
+    action_noise: float = 0.0
+    """BabyAI: the share of demonstration turns where the demonstrator takes a uniformly random
+    available action instead of the oracle's, the oracle replanning from there (a fumbling
+    demonstrator, as a base model is, rather than an optimal planner).  Seeded per task.
+    The turn-limit fit (``run.adapt``) still surveys the oracle's own play."""
 
     def __post_init__(self) -> None:
         _require(self.rounds >= 1, "run.warm_start.rounds", "must be >= 1")
+        _require(0.0 <= self.action_noise < 1.0, "run.warm_start.action_noise", "a fraction in [0, 1)")
         _require(0.0 <= self.min_mixed <= 1.0, "run.warm_start.min_mixed", "a fraction in [0, 1]")
         _require(self.probe_tasks_per_level >= 1, "run.warm_start.probe_tasks_per_level", "must be >= 1")
 

@@ -56,6 +56,7 @@ a PNG data URL of the full grid.
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -596,16 +597,31 @@ class OracleRun:
     level: str
 
 
-def play_oracle(data_idx: int, max_turns: int = 64) -> OracleRun:
-    """Play one episode of task ``data_idx`` with the oracle (``envhub.babyai_oracle``), in process."""
+def play_oracle(data_idx: int, max_turns: int = 64, action_noise: float = 0.0) -> OracleRun:
+    """Play one episode of task ``data_idx`` with the oracle (``envhub.babyai_oracle``), in process.
+
+    With ``action_noise`` > 0 the demonstrator is weaker than the oracle: at each turn, with
+    that probability, it takes an action drawn uniformly from the available ones instead of
+    the oracle's (a fumbling demonstrator, as a base model is); the oracle's bot sees every
+    primitive and replans from wherever the stray action left it.  The draws are seeded by
+    ``data_idx``, so the same task always gives the same episode."""
     from turnscale.envhub.babyai_oracle import BabyAIOracle
 
+    if not 0.0 <= action_noise < 1.0:
+        raise ValueError(f"action_noise must be in [0, 1), got {action_noise!r}")
     env = BabyAIEnv()
     obs = env.reset(data_idx).observation
     oracle = BabyAIOracle(env)
     env._oracle = oracle
+    rng = random.Random(data_idx)
+
+    def next_action() -> str:
+        if action_noise and rng.random() < action_noise:
+            return rng.choice(sorted(env.actions))
+        return oracle.next_action()
+
     try:
-        steps, success, ret = play_expert(env, obs, oracle.next_action, max_turns)
+        steps, success, ret = play_expert(env, obs, next_action, max_turns)
     finally:
         level = env.level
         env.close()

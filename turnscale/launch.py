@@ -217,8 +217,12 @@ class Launcher:
             self.fit_recipe(runs, cap)
             n_levels = len(self.recipe["survey"])
             files["probe"] = write_tasks(tasks_dir / "probe.json", train_ids[: n_levels * rc.warm_start.probe_tasks_per_level])
+        noise = rc.warm_start.action_noise
+        if noise:  # the fit above surveyed the oracle's own play; the demonstrations fumble
+            runs = list(oracle_runs(env.name, warm_ids, max_turns=cap, options=dict(env.options), action_noise=noise))
         n = write_conversations(sft_path, conversations_from_runs(env.name, runs, self.cfg.run.warm_start.max_turns))
-        self.say(f"warm start data: {n} oracle conversations on {mix} -> {sft_path}")
+        what = f"demonstrations ({noise:.0%} of turns a random action)" if noise else "oracle conversations"
+        self.say(f"warm start data: {n} {what} on {mix} -> {sft_path}")
         model_path = ensure_model(self.cfg.model, lambda: corpus_from_conversations(sft_path))
         self.say(f"model: {model_path}")
         if adapt and self.recipe["fit"]["changed"]:  # a mix the schedule covers keeps the calibrated context too

@@ -28,9 +28,14 @@ def assistant_text(env: str, action: str) -> str:
     raise ValueError(f"env {env!r} (action format {fmt!r}) has no oracle conversations")
 
 
-def oracle_runs(env: str, task_ids: Sequence[int], *, max_turns: int, options: dict | None = None) -> Iterable[tuple]:
+def oracle_runs(env: str, task_ids: Sequence[int], *, max_turns: int, options: dict | None = None,
+                action_noise: float = 0.0) -> Iterable[tuple]:
     """``(data_idx, [(observation, action), ...], success, return, category)`` per task, played
-    by the env's built-in oracle (BabyAI's, or ``env=web``'s scripted solver)."""
+    by the env's built-in oracle (BabyAI's, or ``env=web``'s scripted solver); with
+    ``action_noise`` (BabyAI only) a random action replaces the oracle's at that share of turns
+    (``envhub.babyai.play_oracle``)."""
+    if action_noise and env != "babyai":
+        raise ValueError(f"run.warm_start.action_noise is BabyAI's only; env {env!r} needs action_noise=0")
     if env == "web":
         from turnscale.envhub.web import play_oracle as play_web
 
@@ -41,7 +46,7 @@ def oracle_runs(env: str, task_ids: Sequence[int], *, max_turns: int, options: d
     from turnscale.envhub.babyai import play_oracle
 
     for idx in task_ids:
-        run = play_oracle(idx, max_turns)
+        run = play_oracle(idx, max_turns, action_noise)
         yield idx, list(run.steps), run.success, run.reward, run.level
 
 

@@ -31,6 +31,28 @@ def test_oracle_on_easy_levels_is_short_and_deterministic():
         assert play_oracle(idx, 20).success
 
 
+def test_a_fumbling_demonstrator_is_repeatable_longer_and_still_mostly_solves():
+    """``play_oracle(action_noise=p)``: at a share p of turns a random available action, the
+    oracle replanning from where it lands; the same task gives the same episode."""
+    ids = [LEVELS.index(f"BabyAI-{n}-v0") + 40 * seed for n in ("GoToRedBall", "GoToObjS6", "OpenRedDoor", "PickupLoc")
+           for seed in range(6)]
+    clean = [play_oracle(i, 8) for i in ids]
+    noisy = [play_oracle(i, 8, action_noise=0.5) for i in ids]
+    assert [play_oracle(i, 8, action_noise=0.5) for i in ids[:6]] == noisy[:6]
+    assert [play_oracle(i, 8, action_noise=0.0) for i in ids[:6]] == clean[:6]
+    assert sum(len(r.steps) for r in noisy) > 1.3 * sum(len(r.steps) for r in clean)
+    assert sum(r.success for r in noisy) >= 0.75 * len(ids)
+    with pytest.raises(ValueError, match="action_noise"):
+        play_oracle(ids[0], 8, action_noise=1.0)
+
+
+def test_only_babyai_has_a_fumbling_demonstrator():
+    from turnscale.warmstart import oracle_runs
+
+    with pytest.raises(ValueError, match="action_noise is BabyAI's only"):
+        list(oracle_runs("web", [0], max_turns=8, action_noise=0.3))
+
+
 def test_oracle_actions_are_always_available_actions():
     for idx in (5, 17, 23, 37, 45):
         env = BabyAIEnv()

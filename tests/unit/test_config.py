@@ -54,6 +54,8 @@ def test_bad_value_names_the_key():
         conf.load(["env.port=abc"])
     with pytest.raises(conf.ConfigError, match="schedule.turns"):
         conf.load(["schedule.turns=[]"])
+    with pytest.raises(conf.ConfigError, match="run.warm_start.action_noise"):
+        conf.load(["run.warm_start.action_noise=1.0"])
 
 
 def test_experiment_overrides_groups():
