@@ -38,3 +38,13 @@ def test_an_unknown_lever_is_refused_with_the_known_ones(tmp_path, capsys):
     with pytest.raises(SystemExit):
         levers.main(["--levers", "base,bogus", "--out", str(tmp_path), "--table-only"])
     assert "unknown lever(s) bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lever", sorted(levers.LEVERS))
+def test_every_levers_overrides_make_a_valid_run_config(lever, tmp_path):
+    from turnscale import conf
+
+    cmd = levers._cmd(tmp_path, lever, 0, 40)
+    cfg = conf.load(["experiment=run_babyai", *cmd[cmd.index("run") + 1:]])
+    if lever.startswith("noise50"):
+        assert cfg.run.warm_start.action_noise == 0.5
