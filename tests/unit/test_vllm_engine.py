@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from turnscale.actors.engine import EngineBroken, EngineError, GenerateRequest
-from turnscale.actors.vllm_engine import VLLMEngine, check_logprob_convention, finish_reason, platform_settings, sampled_logprobs, sampling_kwargs
+from turnscale.actors.vllm_engine import VLLMEngine, cache_salt, check_logprob_convention, finish_reason, platform_settings, sampled_logprobs, sampling_kwargs
 from turnscale.actors.vllm_state import StateStore, check_full_state, iter_state, read_header, vllm_names, write_state
 from turnscale.actors.vllm_worker import TurnscaleWorkerExtension
 from turnscale.conf.schema import EngineConfig, VLLMEngineConfig
@@ -275,12 +275,41 @@ def test_engine_loop_over_fake_vllm_streams_deltas_stops_and_swaps_weights(fake)
     assert np.allclose(out[1].logprobs, [-10.0, -10.1, -10.2, -10.3])
     assert out[2].policy_version == 0 and out[3].policy_version == 2 and eng.version == 2
     assert all(torch.equal(llm.worker.model[k], v) for k, v in _state(2.0).items())
-    assert llm.llm_engine.salts[:4] == ["v0", "v0", "v0", "v2"]  # no prefix-cache sharing across versions
+    assert llm.llm_engine.salts[:4] == ["w0-v0", "w0-v0", "w0-v0", "w1-v2"]  # no prefix-cache sharing across weights
     assert eng.stats()["active"] == 0 and eng.last_swap_s > 0
     with pytest.raises(EngineError, match="truncation"):
         trio.run(lambda: eng.generate(GenerateRequest([1], SamplingParams(top_k=5))))
     with pytest.raises(EngineError, match="full state"):
         eng.load_weights(3, {"lm_head.weight": torch.zeros(6, 4)})
+
+
+def test_cache_salt_differs_for_every_weight_state_even_under_one_version():
+    assert cache_salt(0, 0) == "w0-v0"
+    salts = {cache_salt(loads, version) for loads in range(4) for version in range(4)}
+    assert len(salts) == 16
+
+
+def test_a_resumed_learner_reusing_a_version_number_gets_a_fresh_prefix_cache_salt(fake):
+    """A resumed learner (new incarnation) publishes other weights under a version the
+    actor already played; KV blocks cached under the old weights must not be reused."""
+    eng, llm = fake
+    ask = lambda: trio.run(lambda: eng.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=1))))  # noqa: E731
+
+    def swap(version, scale):
+        s = eng.load_weights(version, _state(scale))
+        trio.run(s.wait)
+
+    swap(3, 2.0)
+    ask()
+    swap(3, 4.0)  # the resumed learner's version 3: other weights
+    ask()
+    llm.worker.fail_next = 1  # a failed swap restores version 3's second weights: same salt
+    with pytest.raises(EngineError):
+        swap(4, 5.0)
+    ask()
+    first, second, after_failure = llm.llm_engine.salts
+    assert first != second and second == after_failure
+    assert eng.weight_loads == 2
 
 
 def test_failed_swap_reloads_the_previous_weights_and_keeps_the_version(fake):
