@@ -9,7 +9,7 @@ same runs (each run's own SFT and RL metrics): 40 RL steps at turn limits 3 -> 5
 as 76-186 SFT steps (median ~150), 120 RL steps (up to 8 turns) ~540; so SFT 100 + 40 RL
 steps is about SFT 250, and SFT 100 + 120 RL steps about SFT 640.
 
-    python -m benchmarks.levers --seeds 0,1 --levers base,layers4,sft100,sft300,group16 --out runs/levers
+    python -m turnscale.benchmarks.levers --seeds 0,1 --levers base,layers4,sft100,sft300,group16 --out runs/levers
 
 Runs ``--parallel`` at a time (default 2: this machine has 2 cores), skips a run whose
 ``summary.json`` exists (so an interrupted study resumes), and prints one markdown row per
@@ -133,7 +133,7 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.levers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m turnscale.benchmarks.levers", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=_ints, default=[0, 1])
     p.add_argument("--levers", default="base,layers4,sft100,sft300,group16", help=f"from {','.join(LEVERS)}")
     p.add_argument("--steps", type=int, default=40, help="RL steps per run (the learning test's 40)")

@@ -1,8 +1,10 @@
 """``turnscale bench [NAME ...] [--json PATH] [--plot DIR]``: run benchmarks, print a table.
 
-Each benchmark is a module ``benchmarks.<name>`` with ``add_arguments(parser)`` (optional)
-and ``run(args) -> list[Result]``; it measures the system beside its baseline in the
-same run and reports ratios (these machines are shared and noisy).
+Each benchmark is a module ``turnscale.benchmarks.<name>`` (the ``benchmarks/`` folder, installed
+under the ``turnscale`` namespace: no top-level ``benchmarks`` module exists outside a checkout)
+with ``add_arguments(parser)`` (optional) and ``run(args) -> list[Result]``; it measures the
+system beside its baseline in the same run and reports ratios (these machines are shared and
+noisy).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 
 from turnscale.benchmarks.common import format_table, write_json
 
+PACKAGE = "turnscale.benchmarks"
+"""Where the benchmark modules are imported from (never a bare ``benchmarks``: not installed)."""
 BENCHMARKS = ["transport", "envhub", "envgames", "actor", "learner", "weights", "e2e", "fanout"]
 
 
@@ -25,9 +29,9 @@ def main(argv: list[str]) -> int:
     modules = {}
     for name in BENCHMARKS:
         try:
-            modules[name] = importlib.import_module(f"benchmarks.{name}")
+            modules[name] = importlib.import_module(f"{PACKAGE}.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"benchmarks.{name}":
+            if exc.name != f"{PACKAGE}.{name}":
                 raise
             continue
         if hasattr(modules[name], "add_arguments"):

@@ -4,11 +4,14 @@ A regular wheel holds nothing at the top level but ``turnscale/`` (no generic ``
 ``protocol``, ``actors`` ... to collide with other projects in site-packages), and works from
 there: the roles import, the Hydra config composes from the packaged YAML, the CLI answers.
 The editable install that ``scripts/setup.sh`` makes resolves ``turnscale.<pkg>`` to this
-checkout's folders and provides no bare top-level name either.
+checkout's folders and provides no bare top-level name either.  Its console script, run as a
+user types it (from a folder outside the checkout, no ``PYTHONPATH``), answers ``--help`` for
+every role and runs ``turnscale bench``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -93,3 +96,59 @@ def test_editable_install_maps_the_namespace_to_this_checkout_and_installs_no_ba
     file, bare = r.stdout.splitlines()
     assert Path(file) == ROOT / "actors" / "__init__.py"
     assert bare == "[]", f"bare top-level modules importable outside the checkout: {bare}"
+
+
+def _console_script(tmp_path: Path) -> Path:
+    """This venv's ``turnscale`` script, when it is an install of this checkout (else skip)."""
+    script = Path(sys.executable).parent / "turnscale"
+    if not script.is_file():
+        pytest.skip(f"no console script at {script}; scripts/setup.sh installs turnscale into the venv")
+    r = _python("import turnscale; print(turnscale.__file__)", tmp_path)
+    if r.returncode != 0 or not Path(r.stdout.strip()).is_relative_to(ROOT):
+        pytest.skip(f"this venv's turnscale is not this checkout's ({(r.stdout or r.stderr).strip()[-200:]})")
+    return script
+
+
+def _typed(script: Path, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``turnscale <args>`` as a user types it: the console script, cwd outside the checkout, no PYTHONPATH."""
+    return subprocess.run([str(script), *args], cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_console_script_sees_no_bare_top_level_package(tmp_path: Path):
+    """Precondition of the tests below: a bare ``import benchmarks`` (or ``conf``, ...) inside the
+    package fails under the console script, as it does for every installed user (the checkout's
+    root is on ``sys.path`` only under pytest and its children, through PYTHONPATH)."""
+    script = _console_script(tmp_path)
+    python = script.read_text().splitlines()[0].removeprefix("#!").strip()
+    code = f"import importlib.util; print([p for p in {MAPPED!r} if importlib.util.find_spec(p) is not None])"
+    r = subprocess.run([python, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
+def test_every_role_answers_help_as_typed_from_outside_the_checkout(tmp_path: Path):
+    from turnscale.cli import ROLES
+
+    script = _console_script(tmp_path)
+    top = _typed(script, "--help", cwd=tmp_path)
+    assert top.returncode == 0 and all(f"  {role}" in top.stdout for role in ROLES), top.stderr[-2000:]
+    for role in ROLES:
+        for flag in ("--help", "-h"):
+            r = _typed(script, role, flag, cwd=tmp_path)
+            assert r.returncode == 0, f"turnscale {role} {flag}: exit {r.returncode}\n{r.stderr[-2000:]}"
+            assert r.stdout.startswith(f"usage: turnscale {role}"), f"turnscale {role} {flag}:\n{r.stdout[:500]}"
+            assert "Traceback" not in r.stderr and "Lexer" not in r.stdout + r.stderr
+
+
+def test_bench_runs_as_typed_from_outside_the_checkout_and_writes_the_documented_json(tmp_path: Path):
+    """``turnscale bench transport --json out.json`` (shortened to one size for a fraction of a
+    second); DESIGN.md section 8's shape.  Its receiver is a child process started with
+    ``-m turnscale.benchmarks.transport``."""
+    script = _console_script(tmp_path)
+    r = _typed(script, "bench", "transport", "--transport-sizes", "64KB", "--transport-seconds", "0.2",
+               "--transport-repeats", "1", "--no-transport-ceiling", "--json", "out.json", cwd=tmp_path, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert set(doc) == {"machine", "results"} and {"platform", "python", "cpus"} <= set(doc["machine"])
+    keys = {"name", "value", "unit", "baseline", "baseline_value", "ratio", "target", "ok"}
+    assert doc["results"] and all(set(res) == keys for res in doc["results"])
+    assert [res["name"] for res in doc["results"]] == ["transport_64KB_mb_s", "transport_64KB_groups_s", "transport_64KB_cpu_us"]

@@ -87,3 +87,61 @@ def test_bench_rejects_an_unknown_flag_and_an_unknown_benchmark():
     assert out.returncode == 2 and "--nosuch-flag" in out.stderr
     out = turnscale("bench", "nosuchbench")
     assert out.returncode == 2 and "nosuchbench" in out.stderr
+
+
+def _conf_groups() -> dict[str, list[str]]:
+    """The config groups as the conf/ folder has them (read here independently of the CLI)."""
+    from pathlib import Path
+
+    from turnscale import conf
+
+    folder = Path(conf.__file__).parent
+    return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in folder.iterdir() if d.is_dir() and any(d.glob("*.yaml"))}
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("role", sorted(cli.HYDRA_ROLES))
+def test_a_hydra_role_answers_help_with_its_groups_keys_examples_and_reference(role, flag, capsys):
+    """Hydra would read ``--help`` as an override (``LexerNoViableAltException``, exit 2)."""
+    assert cli.main([role, flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: turnscale {role}") and "Lexer" not in out
+    groups = _conf_groups()
+    assert {"env", "algo", "engine", "model", "schedule"} <= set(groups)
+    for group, choices in groups.items():
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"  {group} ")]
+        assert [c.rstrip("*") for c in line.split()[1:] if c != "(default:" and c != "none)"] == choices, line
+    assert "  babyai* " in out and "grpo*" in out and "hf*" in out  # config.yaml's defaults are marked
+    section = cli.HYDRA_ROLES[role].section
+    assert f"{section}.* keys and defaults:" in out
+    assert "examples:" in out and all(f"  {e}" in out for e in cli.HYDRA_ROLES[role].examples)
+    assert "schema.py" in out
+
+
+def test_help_anywhere_among_the_overrides_still_answers_help(capsys):
+    assert cli.main(["run", "run.dir=/tmp/x", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: turnscale run")
+
+
+@pytest.mark.parametrize("role", sorted(cli.HYDRA_ROLES))
+def test_every_help_example_composes_a_valid_config(role):
+    """The examples a user copies from ``--help`` load exactly as the role loads them."""
+    from turnscale import conf
+    from turnscale.envhub.main import rewrite_overrides
+    from turnscale.launch import default_experiment
+
+    for example in cli.HYDRA_ROLES[role].examples:
+        words = example.split()
+        assert words[:2] == ["turnscale", role], example
+        overrides = [w for w in words[2:] if w != "--dry-run"]
+        if role == "envhub":
+            overrides = rewrite_overrides(overrides)
+        if role == "run":
+            overrides = [f"experiment={default_experiment(overrides)}", *overrides]
+        conf.load(overrides)  # raises ConfigError naming a wrong key or value
+
+
+def test_help_lists_the_keys_of_the_role_section_with_their_defaults():
+    keys = cli.section_keys("learner")
+    assert "port=5555" in keys and "steps=100" in keys and "curve.*" in keys
+    assert all("=" in k or k.endswith(".*") for k in keys)
