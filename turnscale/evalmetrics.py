@@ -19,7 +19,9 @@ Definitions (AgentGym-RL's, with an unbiased estimator where they take one sampl
 
 Rows are grouped by ``(checkpoint, turn_limit, env, category)``, plus one row per
 ``(checkpoint, turn_limit, env)`` with ``category == ""`` (all sub-tasks), plus one per
-``(checkpoint, turn_limit)`` with ``env == ""`` when more than one env is present.  Rows come out
+``(checkpoint, turn_limit)`` with ``env == ""`` when more than one env is present.  Each episode
+counts once in each row it belongs to: one without a category (a server that sends none) is
+counted once in its env's row, which is then the only row of that env.  Rows come out
 sorted by checkpoint (in first-seen order), turn limit, env, category.
 """
 
@@ -145,12 +147,20 @@ def report_rows(results: Iterable[EpisodeResult], ks: Sequence[int], pass_on: st
     groups: dict[tuple, list[EpisodeResult]] = defaultdict(list)
     envs = {r.env for r in results}
     for r in results:
-        groups[(r.checkpoint, r.turn_limit, r.env, r.category)].append(r)
-        groups[(r.checkpoint, r.turn_limit, r.env, "")].append(r)
-        if len(envs) > 1:
-            groups[(r.checkpoint, r.turn_limit, "", "")].append(r)
+        for key in _row_keys(r, several_envs=len(envs) > 1):
+            groups[key].append(r)
     keys = sorted(groups, key=lambda g: (ckpt_order.index(g[0]), g[1], g[2] == "", g[2], g[3] != "", g[3]))
     return [summarize(*key, groups[key], ks, pass_on) for key in keys]
+
+
+def _row_keys(r: EpisodeResult, several_envs: bool) -> list[tuple]:
+    """The distinct rows ``r`` counts in: its category's, its env's (``category == ""``) and, with
+    several envs, the all-envs row.  A result without a category (a server that sends none, such
+    as AgentGym's BabyAI) belongs to its env row once: its category row *is* the env row."""
+    keys = [(r.checkpoint, r.turn_limit, r.env, r.category), (r.checkpoint, r.turn_limit, r.env, "")]
+    if several_envs:
+        keys.append((r.checkpoint, r.turn_limit, "", ""))
+    return list(dict.fromkeys(keys))
 
 
 def row_to_json(row: ReportRow) -> dict:

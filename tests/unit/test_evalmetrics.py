@@ -101,3 +101,58 @@ def test_from_record_reads_the_learner_format_and_names_a_missing_field():
     assert (r.checkpoint, r.sample, r.num_turns, r.turn_limit) == ("ckpt", 2, 2, 6)
     with pytest.raises(ValueError, match="reward"):
         EpisodeResult.from_record({"env": "babyai", "data_idx": 1, "success": True})
+
+
+def category_less_results(tasks: int = 40, samples: int = 1):
+    """What an eval against AgentGym's own BabyAI server records: its reset sends no category.
+    Task ``i`` passes in its first ``i % (samples + 1)`` samples."""
+    return [ep("babyai", "", i, s, 1.0 if s < i % (samples + 1) else 0.0, s < i % (samples + 1))
+            for i in range(tasks) for s in range(samples)]
+
+
+def test_a_result_without_category_is_counted_once():
+    """40 episodes, one per task: the env row says 40 episodes and 1 sample per task (it said 80 and
+    2: each result was added to its category group and to the env group, the same key)."""
+    rows = report_rows(category_less_results(40, 1), ks=[1, 2])
+    assert [(r.env, r.category) for r in rows] == [("babyai", "")]
+    (row,) = rows
+    assert (row.tasks, row.episodes, row.samples_per_task) == (40, 40, 1)
+    assert row.success == pytest.approx(20 / 40) and row.pass_at_k[1] == pytest.approx(0.5)
+    assert row.pass_at_k[2] is None and row.avg_at_k[2] is None  # one sample per task: Pass@2 not estimable
+
+
+def test_pass_at_k_over_category_less_results_uses_the_real_sample_counts():
+    """Two samples per task, task i passes in i % 3 of them: Pass@2 over (n=2, c=0|1|2)."""
+    rows = report_rows(category_less_results(6, 2), ks=[1, 2])
+    (row,) = rows
+    assert (row.tasks, row.episodes, row.samples_per_task) == (6, 12, 2)
+    per_task_c = [i % 3 for i in range(6)]
+    assert row.pass_at_k[1] == pytest.approx(sum(c / 2 for c in per_task_c) / 6)
+    assert row.pass_at_k[2] == pytest.approx(sum(pass_at_k(2, c, 2) for c in per_task_c) / 6)
+
+
+def test_a_mix_of_envs_with_and_without_categories_counts_every_result_once_per_row():
+    rs = category_less_results(4, 2) + [ep("textcraft", "depth1", 3, s, 1.0, True, 2) for s in range(2)]
+    rows = {(r.env, r.category): r for r in report_rows(rs, ks=[1, 2])}
+    assert set(rows) == {("babyai", ""), ("textcraft", ""), ("textcraft", "depth1"), ("", "")}
+    assert rows[("babyai", "")].episodes == 8 and rows[("textcraft", "")].episodes == 2
+    assert rows[("", "")].episodes == 10 and rows[("", "")].samples_per_task == 2
+
+
+def test_turnscale_eval_reports_category_less_records_once(tmp_path, capsys):
+    """Through the command (``turnscale eval --from-jsonl``) on records shaped as an eval against
+    AgentGym's BabyAI server writes them (``"category": ""``)."""
+    import json
+
+    from turnscale import evaluate
+
+    recs = tmp_path / "trajectories.jsonl"
+    recs.write_text("".join(json.dumps({"checkpoint": "m", "env": r.env, "category": "", "data_idx": r.data_idx,
+                                        "sample": r.sample, "reward": r.reward, "success": r.success, "num_turns": 3,
+                                        "turn_limit": 5, "finish_reason": "done"}) + "\n"
+                            for r in category_less_results(40, 1)))
+    assert evaluate.main(["--from-jsonl", str(recs), "--k", "1", "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "eval.json").read_text())
+    (row,) = doc["rows"]
+    assert (row["env"], row["category"], row["episodes"], row["samples_per_task"]) == ("babyai", "", 40, 1)
+    capsys.readouterr()
