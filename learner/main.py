@@ -225,12 +225,24 @@ async def _stop_on_signal(scope: Any, service: Any) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
         async for sig in sigs:
             log.info("learner got %s; checkpointing and stopping", signal.Signals(sig).name)
-            if service.step > 0:
-                with trio.CancelScope(shield=True):
-                    async with service.train_lock:
-                        await service.save_checkpoint()
-            scope.cancel()
+            await checkpoint_and_stop(scope, service)
             return
+
+
+async def checkpoint_and_stop(scope: Any, service: Any) -> None:
+    """Wait for the step in progress (``service.train_lock``), checkpoint, and cancel ``scope``
+    *before* releasing the lock, so no step starts after the checkpoint.  Every group acked
+    by then is trained or in the checkpoint (``LearnerService.checkpoint_extra``: buffered,
+    in hand or leased: re-issued on resume); a group acked while the checkpoint is written
+    answers a lease that is live in it, or one drawn after its task cursor: re-issued too.
+    At step 0 nothing is written: a resume starts afresh and replays the same task stream."""
+    import trio
+
+    with trio.CancelScope(shield=True):
+        async with service.train_lock:
+            if service.step > 0:
+                await service.save_checkpoint()
+            scope.cancel()
 
 
 def main(argv: Iterable[str] | None = None, play: EnvPlay | None = None) -> int:

@@ -31,7 +31,10 @@ One trio nursery holds four named tasks under ``LearnerService.serve``:
   3. every ``checkpoint_every`` steps (and after the last) a checkpoint is written
      with the run state (``RunState.state``: step, version, run id, trained groups) and
      the task cursor and lease state in ``extra`` (not the turn limit: it follows from
-     the step and the schedule; an old checkpoint's ``turn_limit`` is ignored).
+     the step and the schedule; an old checkpoint's ``turn_limit`` is ignored).  A group
+     taken out of the buffer stays in ``in_hand`` until its step is accounted for, so
+     every checkpoint (also SIGTERM's, ``learner.main.checkpoint_and_stop``) holds each
+     acknowledged group as trained, or as a task to re-issue (buffered, in hand, leased).
 
 State: ``self.run`` (``learner.runstate.RunState``) owns step, version, run id,
 incarnation and trained groups, and derives the turn limit; ``self.leases`` owns the
@@ -191,6 +194,10 @@ class LearnerService:
         )
         self.buffer: list[Ready] = []
         """Accepted groups waiting for a batch, in arrival order."""
+        self.in_hand: list[Ready] = []
+        """The batch taken out of ``buffer`` and not yet accounted for (waiting for the train
+        lock, or training): ``checkpoint_extra`` counts it as untrained, so an acknowledged
+        group is always trained, buffered, in hand or re-issued, whatever the moment of a stop."""
         mb = int(lc.max_message_mb * (1 << 20))
         self._limits = codec.Limits(max_message_bytes=mb, max_array_bytes=mb, max_header_bytes=min(mb, 16 << 20))
         """Control-socket limits: a group is a few MB; a larger message is refused unread."""
@@ -264,8 +271,11 @@ class LearnerService:
         return True
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {**self.run.state(),
-                "leases": self.leases.state(self.trained_groups, untrained=[r.lease.task for r in self.buffer])}
+        """The run's state for a checkpoint: every accepted group not yet trained (the batch in
+        hand, then the buffer) and every live lease has its task re-issued on resume.  Taken
+        under ``train_lock`` (a step is either wholly in ``trained_groups`` or wholly not)."""
+        untrained = [r.lease.task for r in (*self.in_hand, *self.buffer)]
+        return {**self.run.state(), "leases": self.leases.state(self.trained_groups, untrained=untrained)}
 
     # ------------------------------------------------------------------ serve
     async def serve(self) -> None:
@@ -368,9 +378,12 @@ class LearnerService:
                     await self.save_checkpoint()
 
     async def _next_batch(self, size: int) -> list[Ready]:
-        """Wait for ``size`` groups that are fresh at the current version (see ``form_batch``)."""
+        """Wait for ``size`` groups that are fresh at the current version (see ``form_batch``).
+        The batch moves from ``buffer`` to ``in_hand`` in one synchronous statement (no await
+        between), so a checkpoint always sees each accepted group in one of them."""
         while True:
             batch, self.buffer, stale = self.leases.form_batch(self.buffer, size)
+            self.in_hand = batch
             for r in stale:
                 self.metrics.add("rollout/groups_dropped/stale", 1, "sum")
                 self._ledger(r, "stale", self.step + 1)
@@ -406,11 +419,15 @@ class LearnerService:
         self.last_checkpoint_step = self.step
 
     async def _train_one(self, ready: list[Ready]) -> None:
+        """One step on ``ready`` (``in_hand``) under ``train_lock``; from the trainer's return to
+        ``in_hand`` emptied there is no await, so no checkpoint sees the batch both trained
+        (``trained_groups``) and untrained (``in_hand``)."""
         batch = [r.group for r in ready]
         t0 = time.monotonic()
         before = self.step
         out = await trio.to_thread.run_sync(self.parts.trainer.train_step, batch)
         t1 = time.monotonic()
+        self.in_hand = []
         m = self.metrics
         record_train(m, out)
         if self.parts.trainer.step == before:  # refused: non-finite loss/gradient, or nothing trainable

@@ -723,3 +723,145 @@ def test_autoscaler_reads_the_real_learner_and_acts_through_the_backend():
     assert seen["draining"] == {"b"}
     assert ("drain", "b") in backend.calls
     assert seen["starved"].changed and backend.calls[-1] == ("scale_to", "gpu", 2), (seen["starved"].reason, backend.calls)
+
+
+# ----------------------------------------------------------------------------- SIGTERM at any point of the step cycle
+
+
+class LedgerLog:
+    """The training ledger (``write_batch_entry``) in memory: data_idx of every trained group."""
+
+    def __init__(self):
+        self.trained: list[int] = []
+
+    def write_group(self, group, **kw):
+        pass
+
+    def write_batch_entry(self, group, *, outcome, **kw):
+        if outcome == "trained":
+            self.trained.append(group.task.data_idx)
+
+    def close(self):
+        pass
+
+
+class GatedPublisher(FakePublisher):
+    def __init__(self, block_version):
+        import threading
+
+        super().__init__()
+        self.block_version, self.gate, self.inside = block_version, threading.Event(), threading.Event()
+
+    def publish(self, version, sd):
+        if version == self.block_version:
+            self.inside.set()
+            assert self.gate.wait(30)
+        return super().publish(version, sd)
+
+
+class GatedCheckpointer(MemCheckpointer):
+    def __init__(self, trainer, store, block_step):
+        import threading
+
+        super().__init__(trainer, store)
+        self.block_step, self.gate, self.inside = block_step, threading.Event(), threading.Event()
+
+    def save(self, step, extra):
+        if step == self.block_step:
+            self.inside.set()
+            assert self.gate.wait(30)
+        super().save(step, extra)
+
+
+def _reissued_after_resume(cfg, store, old_cursor):
+    """data_idx of every task a learner resumed from ``store``'s newest checkpoint hands out
+    again: its re-issue queue, then its cursor's tasks up to where the stopped learner's
+    cursor was (tasks leased after the checkpoint was taken)."""
+    from turnscale.learner.tasks import TaskStream
+
+    trainer = FakeTrainer()
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict,
+                                           schedule=FakeSchedule(), checkpointer=MemCheckpointer(trainer, store)))
+    assert svc.restore()
+    stream = svc.leases.stream
+    out = [t.data_idx for t in stream.pending_reissue]
+    replay = TaskStream(stream.tasks, seed=stream.seed, cursor=stream.cursor)
+    for _ in range(len(stream.tasks) * 3):
+        if replay.cursor == old_cursor:
+            break
+        out.append(replay.next().data_idx)
+    assert replay.cursor == old_cursor
+    return out
+
+
+@pytest.mark.parametrize("point", ["waiting_for_groups", "training_with_next_batch_buffered", "publishing",
+                                   "periodic_checkpoint"])
+def test_sigterm_at_any_point_of_the_step_cycle_loses_no_acknowledged_group(point):
+    """A stop (``learner.main.checkpoint_and_stop``, what SIGTERM runs) while an actor keeps
+    sending: every group acked ``accepted=True`` is in the training ledger or handed out
+    again by the resumed learner.  ``training_with_next_batch_buffered`` is the old loss: the
+    stop waited for the step's lock, the train loop took the next batch out of the buffer
+    before the stop got the lock, and the checkpoint saw those groups nowhere."""
+    from collections import Counter
+
+    from turnscale.learner.main import checkpoint_and_stop
+
+    cfg = make_cfg(**{"learner.steps": 10, "learner.max_staleness": 2,
+                      "learner.checkpoint_every": 2 if point == "periodic_checkpoint" else 100})
+    store, ledger = [], LedgerLog()
+    trainer = GateTrainer(block_step=2 if point == "training_with_next_batch_buffered" else 0)
+    publisher = GatedPublisher(block_version=2 if point == "publishing" else -1)
+    ckpt = GatedCheckpointer(trainer, store, block_step=2 if point == "periodic_checkpoint" else -1)
+    gated = {"training_with_next_batch_buffered": trainer, "publishing": publisher, "periodic_checkpoint": ckpt}.get(point)
+    parts = ServiceParts(trainer=trainer, publisher=publisher, weights=dict, schedule=FakeSchedule(),
+                         checkpointer=ckpt, trajlog=ledger)
+    svc = LearnerService(cfg, parts)
+    svc.linger_s, svc.announce_every_s = 0.3, 0.2
+    ctx = zmq.Context()
+    acked: list[int] = []
+    limit = 5 if point == "waiting_for_groups" else 10**6
+
+    async def feed(req):
+        held = 0
+        while len(acked) < limit:
+            for lease in (await req.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)).leases:
+                if held < 1 and len(acked) == 3:  # one lease stays live, unanswered: re-issued on resume
+                    held += 1
+                    continue
+                ack = await req.request(make_group(lease, actor_id="a"), timeout_s=5)
+                if ack.accepted:
+                    acked.append(lease.task.data_idx)
+                if len(acked) >= limit:
+                    return
+            await trio.sleep(0.005)
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                req = await client(ctx, cfg)
+                await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=8), timeout_s=5)
+                n.start_soon(feed, req)
+                if gated is None:  # the train loop waits for its next batch, one group short
+                    await _wait_for(lambda: len(acked) == limit and svc.step == 2 and len(svc.buffer) == 1, "waiting")
+                    await checkpoint_and_stop(n.cancel_scope, svc)
+                    return
+                await trio.to_thread.run_sync(gated.inside.wait, 20)
+                if point == "training_with_next_batch_buffered":  # (no lease is granted while publishing)
+                    await _wait_for(lambda: len(svc.buffer) >= cfg.learner.groups_per_step, "the next batch buffered")
+                async with trio.open_nursery() as stop:
+                    stop.start_soon(checkpoint_and_stop, n.cancel_scope, svc)
+                    await _wait_for(lambda: svc.train_lock.statistics().tasks_waiting >= 1, "the stop waits for the step")
+                    gated.gate.set()
+
+    try:
+        trio.run(main)
+    finally:
+        ctx.destroy(linger=0)
+    assert store, "a checkpoint was written"
+    assert svc.step == store[-1][0]  # no step after the checkpoint
+    reissued = _reissued_after_resume(cfg, store, svc.leases.stream.cursor)
+    lost = Counter(acked) - Counter(ledger.trained) - Counter(reissued)
+    assert not lost, (point, acked, ledger.trained, reissued)
+    assert len(acked) > len(ledger.trained)  # some acked groups were still untrained at the stop
