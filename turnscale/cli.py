@@ -54,7 +54,7 @@ HYDRA_ROLES: dict[str, HydraRole] = {
         "turnscale envhub [env=NAME] [host=HOST] [port=PORT] [env.KEY=VALUE ...]", "env",
         ("turnscale envhub env=babyai host=127.0.0.1 port=8301",
          "turnscale envhub env=textcraft port=8302 env.max_instances=128",
-         "turnscale envhub env=babyai env.options.text=clean env.limits.max_instances_per_client=64"),
+         "turnscale envhub env=babyai env.options.text=clean env.idle_timeout_s=300"),
         ("host= and port= are shorthands for env.host= and env.port=.",
          "GET /health answers 200 once the server is ready; SIGTERM stops it.")),
     "learner": HydraRole(
