@@ -77,6 +77,14 @@ def test_roles_config_and_cli_run_from_the_installed_wheel(wheel: Path, tmp_path
     cli = subprocess.run([sys.executable, "-m", "turnscale", "--help"], cwd=tmp_path, env=_clean_env(PYTHONPATH=str(target)),
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "envhub" in cli.stdout, cli.stderr[-2000:]
+    for role in ("run", "bench"):  # the role help reads the packaged conf/; bench imports turnscale.benchmarks.*
+        r = subprocess.run([sys.executable, "-m", "turnscale", role, "--help"], cwd=tmp_path, env=_clean_env(PYTHONPATH=str(target)),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: turnscale {role}"), r.stderr[-2000:]
+        if role == "run":
+            assert "babyai*" in r.stdout and str(target / "turnscale" / "conf" / "schema.py") in r.stdout
+        else:
+            assert "--transport-sizes" in r.stdout  # the benchmarks' own flags: their modules imported
 
 
 def test_editable_install_maps_the_namespace_to_this_checkout_and_installs_no_bare_names(tmp_path: Path):
