@@ -427,6 +427,13 @@ class LearnerConfig:
     max_message_mb: float = 64.0
     """Largest control message (a trajectory group; frames added up) the learner reads;
     msgpack headers are capped at 16 MiB, so decoding one cannot stall the loop long."""
+    max_abs_reward: float = 1e6
+    """Largest magnitude of an episode's reward and of each turn's reward in a received
+    group; a group past it is dropped as ``invalid`` at intake (its task re-issued).  Env
+    rewards are in [0, 1] per step (SciWorld's native score, through AgentGym's own server,
+    within +-100 per step), so 1e6 refuses no legal reward while keeping the advantage
+    statistics (squares, sums over a batch) far inside float32.  0: no bound (non-finite
+    rewards are refused anyway)."""
     debug_step_delay_s: float = 0.0
     """Tests and benchmarks only: sleep this long before every optimizer step (a slow learner,
     to exercise admission control and backpressure).  0 in real runs."""
@@ -445,6 +452,7 @@ class LearnerConfig:
         _require(self.max_actors >= 1, "learner.max_actors", "must be >= 1")
         _require(self.max_leases_per_actor >= 1, "learner.max_leases_per_actor", "must be >= 1")
         _require(self.max_message_mb > 0, "learner.max_message_mb", "must be > 0")
+        _require(self.max_abs_reward >= 0, "learner.max_abs_reward", "must be >= 0 (0: no bound)")
         _require(self.rank_timeout_s > 0, "learner.rank_timeout_s", "must be > 0")
         _require(self.transfer_dtype in FLOAT_DTYPES, "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 

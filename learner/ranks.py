@@ -194,6 +194,9 @@ class RankedTrainer:
                             f"Launch with torchrun (or accelerate launch without FSDP/DeepSpeed).")
         self.trainer, self.channel = trainer, channel
         self.last_group_gaps: list[GroupGap] = []
+        self.last_dropped: dict[int, str] = {}
+        """Groups of the last step that rank 0's trainer dropped as non-finite, by index in the
+        whole batch (other ranks' drops are not reported yet: they count as trained)."""
         self._lock = threading.Lock()
         """Held while rank 0 uses the channel: a step, a resume, a ping, the stop."""
         self._last_sent = time.monotonic()
@@ -226,6 +229,7 @@ class RankedTrainer:
                     raise
                 raise _lost(None, "training a step (DDP)", exc) from exc
             self.last_group_gaps = self.channel.sum_gaps(self.trainer.last_group_gaps, shares[0], len(groups))
+            self.last_dropped = {shares[0][i]: why for i, why in getattr(self.trainer, "last_dropped", {}).items()}
             self._last_sent = time.monotonic()
         out["perf/learner_ranks"] = float(self.channel.world)
         return out

@@ -190,7 +190,8 @@ class LearnerService:
             stream=TaskStream(self.tasks, seed=lc.seed), group_size=cfg.algo.group_size,
             groups_per_step=lc.groups_per_step, max_staleness=lc.max_staleness, ttl_s=lc.lease_ttl_s,
             publish_every=lc.publish_every, seed=lc.seed, policy=self.run,
-            limits=GroupLimits(vocab_size=parts.vocab_size, max_tokens=cfg.sampling.max_context_tokens),
+            limits=GroupLimits(vocab_size=parts.vocab_size, max_tokens=cfg.sampling.max_context_tokens,
+                               max_abs_reward=lc.max_abs_reward),
         )
         self.buffer: list[Ready] = []
         """Accepted groups waiting for a batch, in arrival order."""
@@ -430,6 +431,21 @@ class LearnerService:
         self.in_hand = []
         m = self.metrics
         record_train(m, out)
+        gaps = list(self.parts.trainer.last_group_gaps)
+        dropped = getattr(self.parts.trainer, "last_dropped", None) or {}  # trainers may not drop groups
+        for i in sorted(dropped):  # a non-finite value: not trained, the rest were (or the step refused)
+            r = ready[i]
+            self.leases.untrain(r, reissue=True)
+            self._ledger(r, "dropped_nonfinite", before + 1)
+            m.add("train/groups_dropped/nonfinite", 1, "sum")
+            log.warning("group %s from actor %s dropped from step %d (non-finite %s); task %s re-issued",
+                        short(r.lease.lease_id), short(r.group.actor_id), before + 1, short(str(dropped[i])),
+                        r.lease.task.data_idx)
+        if dropped:
+            keep = [i for i in range(len(ready)) if i not in dropped]
+            gaps = [gaps[i] for i in keep] if len(gaps) == len(ready) else []
+            ready = [ready[i] for i in keep]
+            batch = [r.group for r in ready]
         if self.parts.trainer.step == before:  # refused: non-finite loss/gradient, or nothing trainable
             why = "nonfinite" if out.get("train/nonfinite") else "empty"
             m.add(f"train/steps_skipped/{why}", 1, "sum")
@@ -441,7 +457,6 @@ class LearnerService:
         self.run.advance(self.parts.trainer.step, len(batch))  # the turn limit moves with it
         tokens = sum(int(np.asarray(ep.loss_mask).sum()) for g in batch for ep in g.episodes)
         wall = max(t1 - self._last_step_end, 1e-9)
-        gaps = list(self.parts.trainer.last_group_gaps)
         if len(gaps) != len(ready):
             gaps = [None] * len(ready)
         record_pool_gaps(m, [PoolGroup(r.pool, self.version - r.oldest, gap) for r, gap in zip(ready, gaps)])

@@ -24,6 +24,20 @@ One ``train_step(groups)`` is ONE optimizer step, in this order:
    optimizer state and LR schedule stay as they were, ``step`` does not advance and the
    metrics say ``train/nonfinite = 1``.  No NaN ever reaches the published weights.
 
+One group cannot cost the others their step.  Before any forward, a group whose rewards are
+not finite or too large for float32 statistics, whose group advantages are not finite, or
+whose behaviour log-probs (loss tokens) are not finite is dropped (``group_problem``).  In
+each micro-batch, before its backward, every row's new log-probs, ``pi_prox``, advantages,
+values, reference log-probs and entropies on its loss tokens are checked, and the loss too
+(row by row when the micro-batch's is not finite); a row that fails marks its group.  If
+any group was marked (on any rank: one all-reduce of the count), the gradients are
+discarded and the step runs again, once, without those groups.  ``last_dropped`` maps each
+dropped group's index to what was wrong (the service re-issues their tasks and logs them in
+the ledger); when every group is dropped, the step is refused as ``train/nonfinite``.  The
+whole-step refusal above stays the last resort: a non-finite gradient with no row to blame,
+or marked rows again on the second try.  Log-probs off the loss mask are never read (set to
+0 when rows are built).
+
 ``pi_prox`` is the policy before the step.  With ``algo.prox_forward=extra`` it is computed by
 one extra no-grad forward over the batch at the start of the step (needed whenever a
 batch gets more than one optimizer update).  Since a step here is exactly one update,
@@ -37,7 +51,8 @@ the same sequence of collectives and the same number of forwards and backwards p
 — DDP all-reduces gradients on the last micro-batch's backward and broadcasts buffers on
 every forward, so a rank with one micro-batch fewer hangs the others.  ``train_step``
 enforces it: one all-reduce of ``[loss tokens, rows]`` (sum) and one of the micro-batch
-count (max) start every step; a rank with fewer micro-batches pads its plan with
+count (max) start every step, one of the count of groups marked non-finite (sum) ends its
+backward passes; a rank with fewer micro-batches pads its plan with
 zero-weight micro-batches (``pad_plan``; a one-token forward whose loss is multiplied by
 0, so it adds nothing to the summed gradients), in the proximal pass as in the update; a
 rank with no trainable row takes part with pads only, and the step is skipped on every
@@ -64,7 +79,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Container, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -211,6 +226,9 @@ class Trainer:
         self.loss_cfg = self.algo.loss_config()
         self.last_group_gaps: list[GroupGap] = []
         """Per group of the last ``train_step``, in batch order (see the module docstring)."""
+        self.last_dropped: dict[int, str] = {}
+        """Groups of the last ``train_step`` dropped for a non-finite value: index in the
+        step's groups -> what was wrong (see the module docstring); none were trained."""
 
     # ------------------------------------------------------------------ public API
 
@@ -227,15 +245,36 @@ class Trainer:
             if g.failed:
                 raise ValueError(f"group of lease {g.lease_id!r} is marked failed ({g.error}); failed groups are never trained on")
         self.last_group_gaps = []
+        self.last_dropped = {}
         if self.algo.name == "sft":
             return self.sft_step([ep for g in groups for ep in g.episodes])
-        self.last_group_gaps = [GroupGap()] * len(groups)
         t0 = time.perf_counter()
-        rows, skipped = self._rows(groups, trim=self.algo.name != "ppo")
-        degenerate = adv_mod.count_degenerate([np.array([ep.reward for ep in g.episodes]) for g in groups])
+        for gi, g in enumerate(groups):
+            problem = group_problem(g, self.algo.name)
+            if problem:
+                self.last_dropped[gi] = problem
+        out = self._policy_step(groups, t0)
+        if out is None:  # groups marked in the forward: once more without them
+            out = self._policy_step(groups, t0)
+        if out is None:  # marked again: the last resort, as for a non-finite gradient
+            out = {"train/nonfinite": 1.0, "loss/lr": float(self.scheduler.get_last_lr()[0])}
+        return out
+
+    def _policy_step(self, groups: Sequence[Any], t0: float) -> dict[str, float] | None:
+        """One try at the step on the groups not in ``last_dropped``: its metrics, or None
+        when a row's values were not finite (its group added to ``last_dropped``, every
+        rank's gradients discarded, nothing stepped)."""
+        self.last_group_gaps = [GroupGap()] * len(groups)
+        dropped = self.last_dropped
+        rows, skipped = self._rows(groups, trim=self.algo.name != "ppo", skip=dropped)
+        degenerate = adv_mod.count_degenerate([np.array([ep.reward for ep in g.episodes])
+                                               for gi, g in enumerate(groups) if gi not in dropped])
         tokens, n_rows = self._global_counts(rows)
         if not n_rows:
-            return self._finish_empty(t0, skipped, degenerate)
+            out = self._finish_empty(t0, skipped, degenerate)
+            if dropped and len(dropped) == len(groups):
+                out["train/nonfinite"] = 1.0  # every group dropped: refused as non-finite
+            return out
         self._advantages(groups, rows, mean_len=tokens / n_rows)
         plan = self._plan(rows)
         num_tokens = accumulation_normaliser(int(tokens), self.accelerator.num_processes)
@@ -244,15 +283,21 @@ class Trainer:
 
         metrics = LossMetrics()
         value_sum = 0.0
+        marked: dict[int, str] = {}
         for i, mb in enumerate(plan):
             sync = i == len(plan) - 1
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
                 if not mb:
                     self._pad_micro_batch()
                     continue
-                m, v = self._policy_micro_batch([rows[j] for j in mb], num_tokens)
+                m, v, bad = self._policy_micro_batch([rows[j] for j in mb], num_tokens)
+            marked.update(bad)
             metrics = metrics.merge(m)
             value_sum += v
+        if self._global_sum(len(marked)):
+            self.optimizer.zero_grad(set_to_none=True)
+            dropped.update(marked)
+            return None
         out = self._optimizer_step()
         out.update({f"loss/{k}": v for k, v in metrics.means().items() if k != "tokens"})
         if self.value_head is not None:
@@ -348,10 +393,13 @@ class Trainer:
         if bad or unexpected:
             raise ckpt.CheckpointError(f"checkpoint does not fit the model: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
 
-    def _rows(self, groups: Sequence[Any], *, trim: bool) -> tuple[list[_Row], int]:
+    def _rows(self, groups: Sequence[Any], *, trim: bool, skip: Container[int] = ()) -> tuple[list[_Row], int]:
+        """Rows of every group whose index is not in ``skip``."""
         rows: list[_Row] = []
         skipped = 0
         for gi, g in enumerate(groups):
+            if gi in skip:
+                continue
             r, s = self._rows_from_episodes(g.episodes, trim=trim, group=gi)
             rows += r
             skipped += s
@@ -365,9 +413,10 @@ class Trainer:
                 skipped += 1
                 continue
             end = int(np.nonzero(mask)[0][-1]) + 1 if trim else len(mask)
+            mu = np.asarray(ep.logprobs[:end], dtype=np.float32)
             rows.append(_Row(
                 ids=np.asarray(ep.token_ids[:end], dtype=np.int64), mask=mask[:end],
-                mu=np.asarray(ep.logprobs[:end], dtype=np.float32), reward=float(ep.reward),
+                mu=np.where(mask[:end] > 0, mu, np.float32(0.0)), reward=float(ep.reward),  # off the mask: never read
                 truncated=ep.finish_reason != "done", group=group, index=k,
             ))
         return rows, skipped
@@ -379,7 +428,8 @@ class Trainer:
         if name == "ppo" or not rows:
             return
         if name in adv_mod.GROUP_ESTIMATORS:
-            adv_G = [adv_mod.group_advantages_G(name, np.array([ep.reward for ep in g.episodes])) for g in groups]
+            adv_G = {gi: adv_mod.group_advantages_G(name, np.array([ep.reward for ep in groups[gi].episodes]))
+                     for gi in {r.group for r in rows}}
             for r in rows:
                 r.adv = adv_G[r.group][r.index] * (r.mask > 0)
             self._aggregate(rows, mean_len)
@@ -417,6 +467,14 @@ class Trainer:
             torch.distributed.all_reduce(t)
             tokens, n = float(t[0]), int(t[1])
         return tokens, n
+
+    def _global_sum(self, x: float) -> float:
+        """``x`` summed over all ranks (a collective when there are several)."""
+        if self.accelerator.num_processes > 1:
+            t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(t)
+            return float(t[0])
+        return float(x)
 
     def _plan(self, rows: Sequence[_Row]) -> list[list[int]]:
         """Micro-batches of row indices, padded with empty ones (zero-weight micro-batches)
@@ -500,7 +558,9 @@ class Trainer:
                     r.old_values = values[b, :n].float().cpu().numpy()
                     r.bootstrap = float(boot[b]) if r.truncated else 0.0
 
-    def _policy_micro_batch(self, rows: list[_Row], num_tokens: float) -> tuple[LossMetrics, float]:
+    def _policy_micro_batch(self, rows: list[_Row], num_tokens: float) -> tuple[LossMetrics, float, dict[int, str]]:
+        """Forward, loss and backward of one micro-batch: (loss metrics, value loss, the groups
+        of rows with a non-finite value on their loss tokens -> what; checked before backward)."""
         micro = self._collate(rows)
         mask, mu = micro.mask, micro.mu
         logp, ent, values, boot = self._forward(rows, micro, grad_entropy=self.loss_cfg.entropy_coef != 0)
@@ -527,17 +587,20 @@ class Trainer:
             vloss = value_loss(values_BT=values, returns_BT=torch.from_numpy(ret_np).to(self.device), mask_BT=mask, num_tokens=num_tokens)
         else:
             adv = pad_BT([r.adv for r in rows]).to(self.device, torch.float32)
-        loss, metrics = ppo_loss(
-            logprobs_BT=logp, prox_logprobs_BT=prox, behaviour_logprobs_BT=mu, advantages_BT=adv, mask_BT=mask,
-            num_tokens=num_tokens, cfg=self.loss_cfg, ref_logprobs_BT=ref, entropy_BT=ent,
-        )
+        inputs = dict(logprobs_BT=logp, prox_logprobs_BT=prox, behaviour_logprobs_BT=mu, advantages_BT=adv, mask_BT=mask,
+                      num_tokens=num_tokens, cfg=self.loss_cfg, ref_logprobs_BT=ref, entropy_BT=ent)
+        loss, metrics = ppo_loss(**inputs)
         self._record_gaps(rows, prox, mu, mask)
         v = 0.0
         if vloss is not None:
             loss = loss + self.algo.value_coef * vloss
             v = float(vloss.detach())
-        self.accelerator.backward(loss)
-        return metrics, v
+        bad_B = nonfinite_rows_B(mask, {"new log-probs": logp, "pi_prox": prox, "advantages": adv, "values": values,
+                                        "reference log-probs": ref, "entropy": ent})
+        if not bad_B and not torch.isfinite(loss.detach()):
+            bad_B = _nonfinite_loss_rows_B(inputs, len(rows))
+        self.accelerator.backward(loss)  # also when marked: every rank runs the same backwards
+        return metrics, v, {rows[b].group: what for b, what in bad_B.items()}
 
     def _record_gaps(self, rows: Sequence[_Row], prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> None:
         """Add each row's behaviour-gap sums to its group's ``last_group_gaps`` entry."""
@@ -582,6 +645,59 @@ class Trainer:
             "perf/padded_tokens": padded,
             "perf/padding_ratio": padded / tokens if tokens else 0.0,
         }
+
+
+FLOAT32_SQRT_MAX = float(np.sqrt(np.finfo(np.float32).max))
+"""About 1.8e19: a reward above it has no float32 square (group and batch statistics)."""
+
+
+def group_problem(group: Any, estimator: str) -> str:
+    """Why ``group`` cannot enter a step's arithmetic, or "" (pure; before any forward):
+    rewards not finite or beyond ``FLOAT32_SQRT_MAX``, group advantages (``estimator``'s, for
+    group estimators) not finite in float32, or a loss token's behaviour log-prob not finite."""
+    rewards = np.array([float(ep.reward) for ep in group.episodes], dtype=np.float64)
+    if not np.isfinite(rewards).all() or (np.abs(rewards) > FLOAT32_SQRT_MAX).any():
+        bad = rewards[~np.isfinite(rewards) | (np.abs(rewards) > FLOAT32_SQRT_MAX)][0]
+        return f"rewards ({bad:.3g}: beyond float32 statistics)"
+    if estimator in adv_mod.GROUP_ESTIMATORS:
+        with np.errstate(all="ignore"):
+            adv = adv_mod.group_advantages_G(estimator, rewards).astype(np.float32)
+        if not np.isfinite(adv).all():
+            return "advantages"
+    for k, ep in enumerate(group.episodes):
+        mask = np.asarray(ep.loss_mask) > 0
+        if not np.isfinite(np.asarray(ep.logprobs, dtype=np.float64)[mask]).all():
+            return f"episodes[{k}] behaviour log-probs"
+    return ""
+
+
+def nonfinite_rows_B(mask_BT: torch.Tensor, tensors_BT: Mapping[str, torch.Tensor | None]) -> dict[int, str]:
+    """Rows with a non-finite value of any of ``tensors_BT`` (None: absent) on their loss
+    tokens (``mask_BT > 0``) -> the name of the first such tensor."""
+    keep = mask_BT > 0
+    out: dict[int, str] = {}
+    for name, t in tensors_BT.items():
+        if t is None:
+            continue
+        t = t.detach()
+        ok_B = torch.where(keep, torch.isfinite(t), torch.ones_like(keep)).all(-1).tolist()
+        for b, ok in enumerate(ok_B):
+            if not ok:
+                out.setdefault(b, name)
+    return out
+
+
+@torch.no_grad()
+def _nonfinite_loss_rows_B(inputs: Mapping[str, Any], n_rows: int) -> dict[int, str]:
+    """The micro-batch's loss is not finite although every input is: the rows whose own loss
+    (``ppo_loss`` on that row alone) is not finite."""
+    out = {}
+    for b in range(n_rows):
+        one = {k: (v[b:b + 1] if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        loss, _ = ppo_loss(**one)
+        if not torch.isfinite(loss):
+            out[b] = "loss"
+    return out
 
 
 def pad_plan(plan: list[list[int]], count: int) -> list[list[int]]:

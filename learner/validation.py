@@ -8,6 +8,16 @@ context.  Any of those either kills the train step (an out-of-range id raises in
 embedding) or silently poisons it (a NaN reward makes the group's advantages NaN), so
 intake drops such a group as ``invalid`` (``LeaseManager.intake``) and re-issues its task.
 
+Rewards must also lie within ``GroupLimits.max_abs_reward`` (``learner.max_abs_reward``):
+a finite reward of 1e300 overflows the group's statistics (its square is inf) and would
+cost the whole step, everyone's groups included.
+
+Log-probs off the loss mask (prompt and observation tokens; honest actors send 0.0 there)
+are never read by the trainer (it replaces them by 0), but a non-finite one is refused all
+the same: every consumer (loss metrics, the trajectory log, the viewer) can then rely on
+every log-prob of an accepted group being finite.  Versions off the loss mask are not
+checked (actors send -1 there).  Positivity is checked on sampled tokens only.
+
 ``find_problem`` is a pure function of numpy arrays; it returns the first problem as
 ``"<field>: <what>"`` (for the one log line that names the actor), or ``""``.
 """
@@ -32,6 +42,9 @@ class GroupLimits:
     """Token ids must lie in ``[0, vocab_size)`` (the model's embedding rows)."""
     max_tokens: int = 0
     """An episode's whole stream must fit the context (``sampling.max_context_tokens``)."""
+    max_abs_reward: float = 0.0
+    """Episode and turn rewards must lie in ``[-max_abs_reward, max_abs_reward]``
+    (``learner.max_abs_reward``)."""
 
 
 def find_problem(group: TrajectoryGroup, limits: GroupLimits, version: int) -> str:
@@ -54,14 +67,20 @@ def _episode_problem(ep, limits: GroupLimits, version: int) -> str:
         return f"token_ids: id {int(bad[0])} outside the vocabulary [0, {limits.vocab_size or 'inf'})"
     if mask[:ep.prompt_len].any():
         return f"loss_mask: set on prompt token {int(np.flatnonzero(mask[:ep.prompt_len])[0])}"
-    if not np.isfinite(ep.reward):
-        return f"reward: {ep.reward} is not finite"
+    problem = _reward_problem("reward", ep.reward, limits)
+    if problem:
+        return problem
     for t in ep.turns:
-        if not np.isfinite(t.reward):
-            return f"turns[{t.index}].reward: {t.reward} is not finite"
-    lps = np.asarray(ep.logprobs)[mask]
-    if lps.size and not np.isfinite(lps).all():
-        return "logprobs: a sampled token's log-prob is not finite"
+        problem = _reward_problem(f"turns[{t.index}].reward", t.reward, limits)
+        if problem:
+            return problem
+    all_lps = np.asarray(ep.logprobs)
+    finite = np.isfinite(all_lps)
+    if not finite.all():
+        at = int(np.flatnonzero(~finite)[0])
+        which = "a sampled token's" if mask[at] else "a non-sampled token's (loss_mask 0: send 0.0)"
+        return f"logprobs: {which} log-prob at position {at} is not finite"
+    lps = all_lps[mask]
     if lps.size and float(lps.max()) > LOGPROB_TOLERANCE:
         return f"logprobs: {float(lps.max()):.4g} > 0 (a log-probability is at most 0)"
     vers = np.asarray(ep.versions)[mask]
@@ -69,4 +88,13 @@ def _episode_problem(ep, limits: GroupLimits, version: int) -> str:
         return f"versions: {int(vers.min())} on a sampled token (versions start at 0)"
     if vers.size and int(vers.max()) > version:
         return f"versions: {int(vers.max())} is in the future (the learner is at version {version})"
+    return ""
+
+
+def _reward_problem(name: str, reward: float, limits: GroupLimits) -> str:
+    if not np.isfinite(reward):
+        return f"{name}: {reward} is not finite"
+    bound = limits.max_abs_reward
+    if bound and abs(reward) > bound:
+        return f"{name}: {reward:.4g} outside [-{bound:g}, {bound:g}] (learner.max_abs_reward)"
     return ""

@@ -865,3 +865,83 @@ def test_sigterm_at_any_point_of_the_step_cycle_loses_no_acknowledged_group(poin
     lost = Counter(acked) - Counter(ledger.trained) - Counter(reissued)
     assert not lost, (point, acked, ledger.trained, reissued)
     assert len(acked) > len(ledger.trained)  # some acked groups were still untrained at the stop
+
+
+# ----------------------------------------------------------------------------- one group cannot cost everyone a step
+
+
+def test_intake_bounds_reward_magnitude_and_refuses_non_finite_logprobs_anywhere():
+    """Defaults: ``learner.max_abs_reward`` (1e6) refuses 1e300 with the field and the key
+    named, while legal rewards (SciWorld's native -100..100) pass; a NaN log-prob on a
+    non-sampled token is refused too (off the mask a log-prob is unused: honest actors send 0)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    cfg = make_cfg(**{"learner.groups_per_step": 5})
+    assert cfg.learner.max_abs_reward == 1e6
+    svc = LearnerService(cfg, ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict,
+                                           schedule=FakeSchedule()))
+    leases = svc.leases.grant("a", 5, now=0.0)
+
+    def send(lease, **ep_change):
+        g = make_group(lease, actor_id="a", rewards=[1.0, 0.0])
+        return svc.leases.intake(replace(g, episodes=[replace(g.episodes[0], **ep_change), g.episodes[1]]), now=0.0)
+
+    huge = send(leases[0], reward=1e300)
+    assert (huge.accepted, huge.reason) == (False, "invalid")
+    assert huge.problem.startswith("episodes[0].reward: 1e+300 outside [-1e+06, 1e+06]") and "learner.max_abs_reward" in huge.problem
+    ep = make_group(leases[1], actor_id="a").episodes[0]
+    turns = [replace(t, reward=-1e7) if t.index == 0 else t for t in ep.turns]
+    assert send(leases[1], turns=turns).problem.startswith("episodes[0].turns[0].reward: -1e+07 outside")
+    lps = ep.logprobs.copy()
+    lps[0] = np.nan  # a prompt token
+    off = send(leases[2], logprobs=lps)
+    assert (off.reason, off.problem) == ("invalid", "episodes[0].logprobs: a non-sampled token's (loss_mask 0: send 0.0) "
+                                                    "log-prob at position 0 is not finite")
+    assert send(leases[3], reward=-100.0).accepted and send(leases[4], reward=100.0).accepted
+
+
+def test_groups_the_trainer_drops_as_non_finite_are_reissued_and_ledgered_while_the_rest_train():
+    cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 0})
+    ledger, rows = [], []
+
+    class DropsSecond(FakeTrainer):
+        last_dropped: dict = {}
+
+        def train_step(self, groups):
+            self.last_dropped = {1: "new log-probs"}
+            self.trained += [groups[0].lease_id]
+            self.step += 1
+            return {"loss/pg": 0.1}
+
+    class Ledger(LedgerLog):
+        def write_batch_entry(self, group, *, outcome, **kw):
+            ledger.append((group.lease_id, outcome, kw["step"]))
+
+    class Rows:
+        def write(self, step, metrics):
+            rows.append(metrics)
+
+        def close(self):
+            pass
+
+    trainer = DropsSecond()
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
+                         trajlog=Ledger(), logger=Rows())
+
+    async def script(svc, ctx):
+        req = await client(ctx, cfg)
+        await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+        first, second = (await req.request(LeaseRequest(actor_id="a", max_leases=2), timeout_s=5)).leases
+        for lease in (first, second):
+            assert (await req.request(make_group(lease, actor_id="a"), timeout_s=5)).accepted
+        await _wait_for(lambda: svc.step == 1 and svc.version == 1, "step 1 published")
+        (again,) = (await req.request(LeaseRequest(actor_id="a", max_leases=1), timeout_s=5)).leases
+        return first, second, again, svc.trained_groups
+
+    _, (first, second, again, trained_groups) = run_service_with(cfg, parts, script)
+    assert ledger == [(second.lease_id, "dropped_nonfinite", 1), (first.lease_id, "trained", 1)]
+    assert again.task == second.task  # the dropped group's task is played again
+    assert trained_groups == 1
+    assert sum(r.get("train/groups_dropped/nonfinite", 0) for r in rows) == 1

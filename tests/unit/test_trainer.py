@@ -399,3 +399,83 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(model_dir, a
     t.train_step(good[0])
     assert t.step == 1
     assert_same(params(t), params(ref))
+
+
+# ----------------------------------------------------------------------------- one group cannot cost everyone a step
+
+
+def _with_reward(group, reward):
+    from dataclasses import replace as dc_replace
+
+    return dc_replace(group, episodes=[dc_replace(ep, reward=reward) if k == 0 else ep for k, ep in enumerate(group.episodes)])
+
+
+@pytest.mark.parametrize("algo,reward", [("grpo", 1e300), ("grpo", float("nan")), ("ppo", 1e300), ("rloo", float("inf"))])
+def test_a_group_with_an_unusable_reward_is_dropped_and_the_others_train(model_dir, algo, reward):
+    """Had it slipped past intake, one group whose reward breaks the statistics costs only
+    itself: the step trains the other group exactly as if it had come alone."""
+    good, other = batches(1)[0]
+    ref = Trainer(make_cfg(algo), model_dir)
+    ref.train_step([good])
+
+    t = Trainer(make_cfg(algo), model_dir)
+    out = t.train_step([good, _with_reward(other, reward)])
+    assert t.step == 1 and "train/nonfinite" not in out
+    assert list(t.last_dropped) == [1] and "rewards" in t.last_dropped[1]
+    assert all(np.isfinite(v) for v in out.values())
+    assert_same(params(t), params(ref))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_group_whose_new_logprobs_are_not_finite_is_dropped_before_the_update_and_the_rest_train(model_dir, algo):
+    """Found in the forward (row by row, before backward): the gradients are discarded and
+    the step runs again without that group, once; the result equals the good group alone."""
+    good, other = batches(1)[0]
+    ref = Trainer(make_cfg(algo), model_dir)
+    ref.train_step([good])
+
+    t = Trainer(make_cfg(algo), model_dir)
+    forward = t._forward
+
+    def poisoned(rows, micro, **kw):
+        logp, ent, values, boot = forward(rows, micro, **kw)
+        bad = torch.tensor([r.group == 1 for r in rows])[:, None]
+        return logp + torch.where(bad, float("nan"), 0.0), ent, values, boot
+
+    t._forward = poisoned
+    out = t.train_step([good, other])
+    assert t.step == 1 and "train/nonfinite" not in out
+    assert t.last_dropped == {1: "new log-probs"}
+    assert_same(params(t), params(ref))
+
+
+def test_a_non_finite_gradient_with_no_group_to_blame_still_skips_the_whole_step(model_dir):
+    t = Trainer(make_cfg(), model_dir)
+    before = params(t)
+    p = next(iter(t.hf_model.parameters()))
+    handle = p.register_hook(lambda g: g * float("nan"))
+    out = t.train_step(batches(1)[0])
+    handle.remove()
+    assert out["train/nonfinite"] == 1.0 and t.step == 0 and t.last_dropped == {}
+    assert_same(params(t), before, atol=0)
+
+
+def test_logprobs_off_the_loss_mask_are_never_read(model_dir):
+    """A NaN behaviour log-prob on a prompt or observation token changes nothing: not the
+    metrics (the behaviour KL used to turn NaN), not the step."""
+    from dataclasses import replace as dc_replace
+
+    data = batches(1)[0]
+
+    def nan_off_mask(ep):
+        lps = ep.logprobs.copy()
+        lps[np.flatnonzero(ep.loss_mask == 0)] = np.nan
+        return dc_replace(ep, logprobs=lps)
+
+    dirty = [dc_replace(g, episodes=[nan_off_mask(ep) for ep in g.episodes]) for g in data]
+    ref, t = Trainer(make_cfg(), model_dir), Trainer(make_cfg(), model_dir)
+    clean_out, out = ref.train_step(data), t.train_step(dirty)
+    assert t.step == 1 and t.last_dropped == {}
+    assert all(np.isfinite(v) for v in out.values())
+    assert out["loss/kl_behaviour"] == clean_out["loss/kl_behaviour"]
+    assert_same(params(t), params(ref), atol=0)
