@@ -462,6 +462,8 @@ class InstanceTable:
             "latency": {k: v.summary() for k, v in self.latency.items()},
             "uptime_s": round(time.time() - self.started, 3),
             "cpu_s": round(time.process_time(), 4),
+            # a family's own counters, when it keeps any (``env=web``: requests its allow-list refused)
+            **(self.family.metrics() if hasattr(self.family, "metrics") else {}),
         }
 
 

@@ -30,6 +30,12 @@ Failure: a crashed page or dead browser raises ``BrowserBroken`` from ``step`` (
 marks the instance broken; the client replaces it); a session found unusable at ``reset`` (crashed, or
 made in a browser that has since died and been relaunched) is replaced there.  ``GET /expert`` is the oracle's next action (``envhub.web_oracle``).
 
+Network: the browser reaches only the sites process's origin (``envhub.web_guard``).  A ``goto``
+elsewhere is a normal step whose observation starts ``blocked: <url> is outside the allowed
+sites ...`` and shows the page it stayed on; a link, form, redirect or script that leaves the
+sites gets a "Blocked" page or an aborted request, never the target's content.  Refusals are
+counted in ``family.refused()`` (the server's ``GET /metrics``: ``web_refused``).
+
 Options (``env.options``): ``chromium`` (path, default ``/usr/bin/chromium``),
 ``obs_max_tokens`` (default 2048), ``nav_timeout_s`` (default 20), ``num_tasks`` (default 4400),
 ``viewport_only`` (default true, WebArena's ``current_viewport_only``: only elements inside the
@@ -50,6 +56,7 @@ from typing import Any, Callable, Iterator
 from turnscale.envhub.base import AgentGymShape, ResetResult, StepResult, play_expert
 from turnscale.envhub.options import read_options
 from turnscale.envhub.web_browser import BrowserBroken, BrowserPool, ElementError, Session, accessibility_tree, execute, tab_titles
+from turnscale.envhub.web_guard import BlockedURL
 from turnscale.envhub.web_oracle import WebOracle
 from turnscale.envhub.web_tasks import evaluate, needs_state, task
 from turnscale.envhub.webarena_actions import ActionError, extract_action, format_action, parse_action
@@ -205,6 +212,8 @@ class WebEnv:
         except ElementError as e:
             self.fam.pool.check(self.session)
             return self._result(self._observe(f"Invalid action: {e}"), valid=False)
+        except BlockedURL as e:  # nothing was fetched: the page stays
+            return self._result(self._observe(str(e)), valid=False)
         except Exception as e:
             self.fam.pool.check(self.session)  # raises BrowserBroken when that is why
             return self._result(self._observe(f"The action failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"), valid=False)
@@ -250,11 +259,11 @@ class WebFamily:
         self.n_tasks, self.obs_max_tokens, self.nav_timeout_s = num_tasks, obs_max_tokens, nav_timeout_s
         self.viewport_only = bool(viewport_only)
         self.count_tokens = token_counter(tokenizer)
-        self.pool = BrowserPool(chromium, nav_timeout_s=nav_timeout_s)
+        self.sites = SiteProcess()
         try:
-            self.sites = SiteProcess()
+            self.pool = BrowserPool(chromium, allowed_origins=(self.sites.base,), nav_timeout_s=nav_timeout_s)
         except Exception:
-            self.pool.close()
+            self.sites.close()
             raise
 
     def create(self) -> WebEnv:
@@ -262,6 +271,16 @@ class WebFamily:
 
     def num_tasks(self) -> int:
         return self.n_tasks
+
+    def refused(self) -> dict[str, int]:
+        """Requests refused by the allow-list so far, per layer (``goto`` actions, routed
+        requests, requests at the guard proxy: redirect hops, workers, CONNECT, and chromium's
+        own background requests)."""
+        return dict(self.pool.guard.refused)
+
+    def metrics(self) -> dict[str, Any]:
+        """This family's part of the server's ``GET /metrics``."""
+        return {"web_refused": self.refused()}
 
     def close(self) -> None:
         try:

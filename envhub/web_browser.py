@@ -15,6 +15,11 @@ Failure model (invariants):
 - The browser is launched from ``executable`` (never downloaded) with ``CHROMIUM_ARGS`` plus a
   marker switch naming this pool, which is how ``browser_pids`` finds its processes (memory
   accounting, tests that kill it).
+
+Network (``envhub.web_guard``): the browser reaches only ``allowed_origins``.  The pool starts
+its ``GuardProxy`` on its loop before the browser and launches chromium with it as the proxy
+for everything, loopback included; every context blocks service workers and routes every
+request through ``Guard.route``; ``execute`` checks ``goto`` URLs first.
 """
 
 from __future__ import annotations
@@ -28,10 +33,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnscale.envhub.web_guard import Guard, GuardProxy
+
 log = logging.getLogger("envhub")
 
 CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync")
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--dns-prefetch-disable", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+                 "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
+                 "--webrtc-ip-handling-policy=disable_non_proxied_udp",
+                 "--disable-features=AutofillServerCommunication,OptimizationHints,MediaRouter,Translate")
+"""Chromium switches.  From ``--dns-prefetch-disable`` on: no name lookups but 127.0.0.1, no
+WebRTC UDP (it would bypass the proxy), none of chromium's own calls home that the guard proxy
+would otherwise refuse and count.  The allow-list itself is ``envhub.web_guard`` (routing and
+the guard proxy)."""
 MAX_TABS = 8
 """Tabs per instance (bounds an instance's browser memory)."""
 IGNORED_PROPERTIES = ("focusable", "editable", "readonly", "level", "settable", "multiline", "invalid", "url")
@@ -63,6 +78,8 @@ class Session:
     """One env instance's browser context: its tabs and the last observed tree's nodes."""
 
     context: Any
+    guard: Guard
+    """The pool's allow-list (``goto`` is checked against it)."""
     pages: list = field(default_factory=list)
     active: int = 0
     nodes: dict[str, int] = field(default_factory=dict)
@@ -76,16 +93,19 @@ class Session:
 
 
 class BrowserPool:
-    """Owns Playwright and one chromium; hands out isolated contexts."""
+    """Owns Playwright, one chromium and its guard proxy; hands out isolated contexts that reach
+    only ``allowed_origins`` (exact ``http://host:port`` origins, e.g. the sites process's)."""
 
-    def __init__(self, executable: str = "/usr/bin/chromium", *, viewport: tuple[int, int] = (1280, 720),
-                 nav_timeout_s: float = 20.0) -> None:
+    def __init__(self, executable: str = "/usr/bin/chromium", *, allowed_origins: tuple[str, ...],
+                 viewport: tuple[int, int] = (1280, 720), nav_timeout_s: float = 20.0) -> None:
         if not os.path.exists(executable):
             raise FileNotFoundError(f"chromium not found at {executable!r}: install Debian's chromium "
                                     "(scripts/setup.sh does as root) or set env.options.chromium")
         self.executable, self.viewport, self.nav_timeout_s = executable, viewport, nav_timeout_s
         self.marker = f"--turnscale-pool={uuid.uuid4().hex}"
         self.relaunches = 0
+        self.guard = Guard(allowed_origins)
+        self._proxy = GuardProxy(self.guard, timeout_s=nav_timeout_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="browser-loop", daemon=True)
         self._thread.start()
@@ -104,12 +124,14 @@ class BrowserPool:
         from playwright.async_api import async_playwright
 
         self._lock = asyncio.Lock()
+        await self._proxy.start()
         self._pw = await async_playwright().start()
         await self._launch()
 
     async def _launch(self) -> None:
         self._browser = await self._pw.chromium.launch(executable_path=self.executable, headless=True,
-                                                       args=[*CHROMIUM_ARGS, self.marker])
+                                                       args=[*CHROMIUM_ARGS, self.marker],
+                                                       proxy={"server": f"http://127.0.0.1:{self._proxy.port}"})
         log.info("chromium launched (%s)", self.marker)  # names this pool's processes (tests, operators)
 
     async def _browser_ok(self) -> Any:
@@ -131,9 +153,11 @@ class BrowserPool:
 
     async def _new_session(self) -> Session:
         browser = await self._browser_ok()
-        ctx = await browser.new_context(viewport={"width": self.viewport[0], "height": self.viewport[1]})
+        ctx = await browser.new_context(viewport={"width": self.viewport[0], "height": self.viewport[1]},
+                                        service_workers="block")
         ctx.set_default_timeout(self.nav_timeout_s * 1000)
-        s = Session(ctx)
+        await ctx.route("**/*", self.guard.route)
+        s = Session(ctx, self.guard)
         await self._open_page(s)
         return s
 
@@ -210,6 +234,7 @@ class BrowserPool:
             finally:
                 if self._pw is not None:
                     await self._pw.stop()
+                await self._proxy.close()
 
         try:
             self.call(stop(), timeout_s=20.0)
@@ -358,8 +383,7 @@ async def execute(s: Session, a: Any, nav_timeout_s: float) -> None:
     elif a.kind == "scroll":
         await page.evaluate(f"window.scrollBy(0, {'-' if a.direction == 'up' else ''}window.innerHeight)")
     elif a.kind == "goto":
-        if not re.match(r"^https?://", a.text):
-            raise ElementError(f"Cannot go to {a.text!r}: only http:// and https:// URLs are allowed.")
+        s.guard.check_goto(a.text)
         await page.goto(a.text, wait_until="load")
     elif a.kind == "go_back":
         await page.go_back(wait_until="load")

@@ -5,6 +5,8 @@ typed client in both flavours, AgentGym's WebArena adapter pointed at it, the or
 from __future__ import annotations
 
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -82,10 +84,47 @@ def test_the_agent_cannot_crash_the_browser_through_goto(server):
         a, b = c.post("/create").json()["id"], c.post("/create").json()["id"]
         for eid in (a, b):
             assert c.post("/reset", json={"id": eid, "data_idx": 0}).status_code == 200
-        # The agent cannot crash a page through the grammar: chrome:// is refused.
+        # The agent cannot crash a page through the grammar: chrome:// is outside the allowed sites.
         s = c.post("/step", json={"id": a, "action": "```goto [chrome://crash]```"}).json()
-        assert s["observation"].startswith("Invalid action:") and not s["done"]
+        assert s["observation"].startswith("blocked: chrome://crash is outside the allowed sites") and not s["done"]
         assert c.get("/health").json()["instances"] >= 2
         assert c.post("/step", json={"id": b, "action": "```scroll [down]```"}).status_code == 200
         for eid in (a, b):
             c.post("/close", json={"id": eid})
+
+
+def test_a_goto_to_a_private_loopback_service_is_blocked_and_counted_in_metrics(server):
+    """Issue 31, item 10, through the real server with default settings: the private service
+    (this test's, on another 127.0.0.1 port) is never reached, the agent reads why, ``/metrics``
+    counts the refusal.  Redirects, scripts and sub-resources: ``test_web_allowlist.py``."""
+    secret, hits = "LOOPBACK-SECRET-51c2", []
+
+    class Private(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(secret)))
+            self.end_headers()
+            self.wfile.write(secret.encode())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Private)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with httpx.Client(base_url=server + "/v1", timeout=120) as c:
+            eid = c.post("/create").json()["id"]
+            c.post("/reset", json={"id": eid, "data_idx": 0}).raise_for_status()
+            before = c.get("/metrics").json()["web_refused"]["goto"]
+            for host in ("127.0.0.1", "localhost"):
+                url = f"http://{host}:{srv.server_address[1]}/"
+                s = c.post("/step", json={"id": eid, "action": f"```goto [{url}]```"}).json()
+                assert s["observation"].startswith(f"blocked: {url} is outside the allowed sites") and secret not in s["observation"]
+                assert (s["done"], s["info"]["valid"]) == (False, False)
+            assert c.get("/metrics").json()["web_refused"]["goto"] == before + 2
+            c.post("/close", json={"id": eid})
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert hits == []
