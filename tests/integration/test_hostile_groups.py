@@ -42,6 +42,8 @@ def _bad_episodes(ep, version):
     lp_pos[np.flatnonzero(ep.loss_mask)[0]] = 0.5
     lp_nan = ep.logprobs.copy()
     lp_nan[np.flatnonzero(ep.loss_mask)[1]] = np.nan
+    lp_nan_prompt = ep.logprobs.copy()
+    lp_nan_prompt[0] = np.nan  # not a sampled token: unused, but refused like any non-finite value
     mask_prompt = ep.loss_mask.copy()
     mask_prompt[1] = 1
     vers_future = ep.versions.copy()
@@ -53,6 +55,8 @@ def _bad_episodes(ep, version):
         "prompt token id -1": ("token_ids", replace(ep, token_ids=ids_neg_prompt)),
         "NaN reward": ("reward", replace(ep, reward=float("nan"))),
         "inf reward": ("reward", replace(ep, reward=float("inf"))),
+        "reward 1e300 (over learner.max_abs_reward)": ("reward", replace(ep, reward=1e300)),
+        "NaN log-prob on a prompt token": ("logprobs", replace(ep, logprobs=lp_nan_prompt)),
         "-inf log-prob": ("logprobs", replace(ep, logprobs=lp_inf)),
         "NaN log-prob": ("logprobs", replace(ep, logprobs=lp_nan)),
         "positive log-prob": ("logprobs", replace(ep, logprobs=lp_pos)),
@@ -242,6 +246,85 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
         assert out["oversize"].code == "bad_message" and "over the learner's limit" in out["oversize"].message
         assert isinstance(out["after"], HeartbeatAck) and out["after"].unknown_lease_ids == []
         assert learner.alive()
+    finally:
+        ctx.destroy(linger=0)
+        procs.close(grace_s=8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_group_that_breaks_the_step_costs_only_itself_and_the_other_actors_group_trains(tmp_path, tiny_model_dir):
+    """With the intake bound off (``learner.max_abs_reward=0``), one actor's group with a
+    reward of 1e300 reaches the trainer beside an honest actor's group in the same step: its
+    statistics overflow, the trainer drops it (ledger ``dropped_nonfinite``, its task
+    re-issued) and the step trains the honest group.  Before, the whole step was skipped
+    as non-finite and the honest group thrown away with it, again and again."""
+    from tests.unit.fakes import make_group
+    from turnscale.protocol.messages import Goodbye
+
+    ports = [free_port() for _ in range(3)]
+    run_dir = tmp_path / "learner"
+    procs = ProcessGroup(tmp_path / "logs", "turnscale")
+    learner = procs.start("learner", [
+        "learner", f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
+        f"model.path={tiny_model_dir}", f"learner.dir={run_dir}", "learner.steps=1", "learner.groups_per_step=2",
+        "algo.group_size=2", "learner.max_staleness=0", "learner.max_abs_reward=0",
+        "logger.tensorboard=false", "logger.console_every_s=0", "learner.heartbeat_interval_s=1"])
+    ctx = zmq.Context()
+
+    async def connect(actor_id):
+        sock = AsyncSocket(configure(ctx.socket(zmq.DEALER)))
+        sock.sock.connect(f"tcp://127.0.0.1:{ports[0]}")
+        req = Requester(sock)
+        while True:  # the learner takes a few seconds to load the model
+            try:
+                w = await req.request(Hello(actor_id=actor_id, host="h", pid=1, engine="fake", device="cpu", max_groups=1),
+                                      timeout_s=2)
+            except Exception:
+                assert learner.alive(), learner.tail()
+                await trio.sleep(0.5)
+                continue
+            assert isinstance(w, Welcome), w
+            return req
+
+    async def lease(req, actor_id):
+        while True:
+            g = await req.request(LeaseRequest(actor_id=actor_id, max_leases=1), timeout_s=10)
+            assert isinstance(g, LeaseGrant), g
+            if g.leases:
+                return g.leases[0]
+            await trio.sleep(0.05)
+
+    async def act():
+        with trio.fail_after(150):
+            honest, poisoner = await connect("honest"), await connect("poisoner")
+            good, bad = await lease(honest, "honest"), await lease(poisoner, "poisoner")
+            poisoned = make_group(bad, actor_id="poisoner")
+            poisoned = replace(poisoned, episodes=[replace(poisoned.episodes[0], reward=1e300), *poisoned.episodes[1:]])
+            acks = [await poisoner.request(poisoned, timeout_s=10), await honest.request(make_group(good, actor_id="honest"), timeout_s=10)]
+            assert all(isinstance(a, GroupAck) and a.accepted for a in acks), acks  # the bound is off: both accepted
+            ledger = run_dir / "batches.jsonl"
+            while not ledger.exists() or len(ledger.read_text().splitlines()) < 2:
+                assert learner.alive(), learner.tail()
+                await trio.sleep(0.2)
+            for req, aid in ((honest, "honest"), (poisoner, "poisoner")):
+                await req.request(Goodbye(actor_id=aid, reason="done"), timeout_s=10)
+            return good, bad, [json.loads(x) for x in ledger.read_text().splitlines()]
+
+    try:
+        good, bad, ledger = trio.run(act)
+        outcomes = {(r["lease_id"], r["outcome"], r["step"]) for r in ledger}
+        assert outcomes == {(bad.lease_id, "dropped_nonfinite", 1), (good.lease_id, "trained", 1)}, ledger
+        deadline = time.monotonic() + 60
+        while learner.alive() and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert learner.popen.returncode == 0, learner.tail(40)
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1] and rows[0]["train/groups_dropped/nonfinite"] == 1
+        assert "train/steps_skipped/nonfinite" not in rows[0]
+        log = learner.log_path.read_text(errors="replace")
+        assert f"group {bad.lease_id} from actor poisoner dropped from step 1 (non-finite rewards" in log
+        assert "Traceback" not in log
     finally:
         ctx.destroy(linger=0)
         procs.close(grace_s=8)
