@@ -675,12 +675,12 @@ def nonfinite_rows_B(mask_BT: torch.Tensor, tensors_BT: Mapping[str, torch.Tenso
     """Rows with a non-finite value of any of ``tensors_BT`` (None: absent) on their loss
     tokens (``mask_BT > 0``) -> the name of the first such tensor."""
     keep = mask_BT > 0
+    named = [(name, t.detach()) for name, t in tensors_BT.items() if t is not None]
+    if not named:
+        return {}
+    ok_KB = torch.stack([torch.where(keep, torch.isfinite(t), torch.ones_like(keep)).all(-1) for _, t in named])
     out: dict[int, str] = {}
-    for name, t in tensors_BT.items():
-        if t is None:
-            continue
-        t = t.detach()
-        ok_B = torch.where(keep, torch.isfinite(t), torch.ones_like(keep)).all(-1).tolist()
+    for (name, _), ok_B in zip(named, ok_KB.tolist()):  # one device-to-host copy per micro-batch
         for b, ok in enumerate(ok_B):
             if not ok:
                 out.setdefault(b, name)
