@@ -423,7 +423,20 @@ class LearnerConfig:
     max_actors: int = 4096
     """Registered actors at most (more Hellos are refused, retryable)."""
     max_leases_per_actor: int = 64
-    """Leases one actor may hold at once (also capped by its ``Hello.max_groups``)."""
+    """Leases one actor may hold at once (also capped by its ``Hello.max_groups`` and, while
+    other actors want leases, by its fair share of the admission window: ``learner/control.py``)."""
+    max_actor_ids_per_connection: int = 1
+    """Live actor ids one connection may register (each id gets its own share of leases); a
+    ``Hello`` for more is refused ``too_many_actor_ids``.  An actor uses one."""
+    max_actor_ids_per_key: int = 8
+    """With CURVE: live actor ids one client key may register, over all its connections
+    (e.g. the actors of one host sharing one key); raise it for more actors per key."""
+    lease_progress_timeout_s: float = 120.0
+    """A lease expires (its task re-issued) when its actor has made no progress for this long:
+    returned no group and reported no growth of ``tokens_generated`` or ``decode_steps`` in
+    its heartbeats.  Heartbeats alone do not extend it, so an actor whose engine hangs while
+    its heartbeat runs loses its leases (``lease_ttl_s`` still ends them sooner if its
+    heartbeats stop)."""
     max_message_mb: float = 64.0
     """Largest control message (a trajectory group; frames added up) the learner reads;
     msgpack headers are capped at 16 MiB, so decoding one cannot stall the loop long."""
@@ -451,6 +464,9 @@ class LearnerConfig:
         _require(self.debug_step_delay_s >= 0, "learner.debug_step_delay_s", "must be >= 0")
         _require(self.max_actors >= 1, "learner.max_actors", "must be >= 1")
         _require(self.max_leases_per_actor >= 1, "learner.max_leases_per_actor", "must be >= 1")
+        _require(self.max_actor_ids_per_connection >= 1, "learner.max_actor_ids_per_connection", "must be >= 1")
+        _require(self.max_actor_ids_per_key >= 1, "learner.max_actor_ids_per_key", "must be >= 1")
+        _require(self.lease_progress_timeout_s > 0, "learner.lease_progress_timeout_s", "must be > 0")
         _require(self.max_message_mb > 0, "learner.max_message_mb", "must be > 0")
         _require(self.max_abs_reward >= 0, "learner.max_abs_reward", "must be >= 0 (0: no bound)")
         _require(self.rank_timeout_s > 0, "learner.rank_timeout_s", "must be > 0")

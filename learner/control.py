@@ -1,4 +1,4 @@
-"""The learner's side of the scaling control channel: drains, the lease limit, the status.
+"""The learner's side of the scaling control channel: drains, the lease limit, fair shares, the status.
 
 A controller (the client is ``turnscale.control.LearnerControl``, driven by the autoscaler
 there; not this module) sends ``ControlRequest`` on the learner's control socket;
@@ -25,23 +25,48 @@ requests and sees and changes the state of one instant):
    run state, the lease manager, the registry and ``ScalingSignals``, so its counters,
    leases and actors belong to the same moment.  The signals are cumulative; a controller
    differences two replies.
+
+Fair shares (``ask``, ``reclaim``; on every ``LeaseRequest``).  The *contenders* are the
+actors that hold a lease or asked for leases within ``ASKED_RECENTLY_S`` (an actor that
+wants leases asks at least every ``retry_after_s``, at most 1 s) and did not leave since.
+With ``W`` the admission window (``LeaseManager.window``, or the leases in flight plus the
+free slots when that is more) and ``n`` contenders, an actor's share is ``ceil(W / n)``;
+it may hold at most ``min(share, lease limit, Hello.max_groups)``.  So:
+
+6. An actor alone may use the whole window (``n = 1``): a lone actor is never held back.
+7. While others contend, no actor is granted past its share, whatever it asks for.
+8. When an actor below its share asks and the free slots do not cover its room, the
+   leases others hold *above* their share are revoked (``LeaseManager.revoke``: youngest
+   first, from the actor furthest above its share first), just enough to cover it, and
+   their tasks re-issued; so an actor that took the whole window while alone (a hoarder,
+   or a lone honest actor when others join) is cut back to its share as soon as another
+   actor asks, and nobody at or below its share ever loses a lease this way.
+   ``W`` does not shrink while accepted groups wait for their step, so shares do not
+   either: actors waiting for a training step take nothing from each other.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 
 from turnscale.learner.registry import ActorInfo, ActorRegistry, short
-from turnscale.protocol.messages import ActorStatus, ControlRequest, LearnerStatus, LeaseGrant, Shutdown
+from turnscale.protocol.messages import ActorStatus, ControlRequest, LearnerStatus, Lease, LeaseGrant, Shutdown
 
 log = logging.getLogger("turnscale.learner")
 
-__all__ = ["ControlHandler", "ScalingSignals"]
+__all__ = ["ASKED_RECENTLY_S", "ControlHandler", "ScalingSignals"]
+
+ASKED_RECENTLY_S = 3.0
+"""An actor that asked for leases this recently contends for the window (one that wants
+leases asks again within ``LeaseGrant.retry_after_s``, at most 1 s; three such periods
+without a request mean it stopped wanting)."""
 
 
 @dataclass
@@ -65,7 +90,18 @@ class LeasesLike(Protocol):
 
     live: dict
 
+    @property
+    def window(self) -> int: ...
+
     def held_by(self, actor_id: str) -> int: ...
+
+    def holdings(self) -> Counter[str]: ...
+
+    def capacity(self) -> int: ...
+
+    def expire(self, now: float) -> list[Lease]: ...
+
+    def revoke(self, actor_id: str, n: int) -> list[Lease]: ...
 
 
 class RunLike(Protocol):
@@ -88,6 +124,8 @@ class ControlHandler:
         self.lease_limit = max_leases_per_actor
         """Leases one actor may hold now; a controller may lower it (``ControlRequest``)."""
         self.signals = signals if signals is not None else ScalingSignals()
+        self._asked: OrderedDict[str, float] = OrderedDict()
+        """Actor id -> when it last asked for leases, oldest first (pruned past ``ASKED_RECENTLY_S``)."""
 
     def handle(self, msg: ControlRequest, ready_groups: int) -> LearnerStatus:
         """Drain the named actors and/or set the lease limit; answer the signals
@@ -107,9 +145,64 @@ class ControlHandler:
             self.lease_limit = limit
         return self.status(ready_groups)
 
-    def room(self, a: ActorInfo) -> int:
-        """Leases ``a`` may still take: its own ``max_groups`` and the lease limit, less what it holds (>= 0)."""
-        return max(0, min(a.max_groups, self.lease_limit) - self.leases.held_by(a.actor_id))
+    def ask(self, a: ActorInfo, max_leases: int, now: float) -> int:
+        """``a`` asks for ``max_leases`` leases at ``now``: it contends from now on (for
+        ``ASKED_RECENTLY_S``); returns how many it may be granted (``room``)."""
+        self._asked[a.actor_id] = now
+        self._asked.move_to_end(a.actor_id)
+        return min(max_leases, self.room(a, now))
+
+    def forget(self, actor_id: str) -> None:
+        """``actor_id`` left (``Goodbye``): it no longer contends, whenever it last asked."""
+        self._asked.pop(actor_id, None)
+
+    def room(self, a: ActorInfo, now: float) -> int:
+        """Leases ``a`` may still take at ``now``: its own ``max_groups``, the lease limit and its
+        fair share (invariants 6-7), less what it holds (>= 0)."""
+        held = self.leases.holdings()
+        return max(0, min(a.max_groups, self.lease_limit, self.share(a.actor_id, held, now)) - held[a.actor_id])
+
+    def share(self, actor_id: str, held: Counter[str], now: float) -> int:
+        """``ceil(W / n)``: the fair share of the window among the ``n`` contenders at ``now``
+        (``held``: live leases per actor); ``actor_id`` itself always contends.  Costs
+        O(actors holding leases): the recent askers are counted, not visited."""
+        while self._asked and next(iter(self._asked.values())) < now - ASKED_RECENTLY_S:
+            self._asked.popitem(last=False)  # oldest first: stopped asking
+        n = len(self._asked) + sum(1 for h in held if held[h] > 0 and h not in self._asked)
+        if actor_id not in self._asked and held[actor_id] == 0:
+            n += 1
+        return -(-self._window() // max(1, n))
+
+    def reclaim(self, a: ActorInfo, want: int, now: float) -> list[Lease]:
+        """Invariant 8: revoke leases held above their share by other actors so that ``a`` (its
+        room is ``want``) finds ``want`` free slots; returns the revoked leases (often none)."""
+        self.leases.expire(now)  # a lease past its deadline frees its slot without revoking anything
+        need = want - self.leases.capacity()
+        if need <= 0:
+            return []
+        held = self.leases.holdings()
+        share = self.share(a.actor_id, held, now)  # everyone's: holders contend, so n is the same for them
+        over = [(share - k, aid) for aid, k in held.items() if aid != a.actor_id and k > share]
+        heapq.heapify(over)
+        take: Counter[str] = Counter()
+        while need > 0 and over:  # one lease at a time from whoever is furthest above its share
+            excess, aid = heapq.heappop(over)
+            take[aid] += 1
+            need -= 1
+            if excess + 1 < 0:
+                heapq.heappush(over, (excess + 1, aid))
+        out: list[Lease] = []
+        for aid, k in take.items():
+            gone = self.leases.revoke(aid, k)
+            log.info("revoked %d lease(s) of actor %s (held %d, fair share %d of %d) for actor %s", len(gone),
+                     short(aid), held[aid], share, self._window(), short(a.actor_id))
+            out += gone
+        return out
+
+    def _window(self) -> int:
+        """The window shares are cut from: the admission window, or more when the rule admits
+        more now (leases in flight plus free slots)."""
+        return max(self.leases.window, len(self.leases.live) + self.leases.capacity())
 
     def lease_gate(self, a: ActorInfo) -> LeaseGrant | Shutdown | None:
         """The answer to a ``LeaseRequest`` from a draining actor (nothing while it holds a

@@ -16,8 +16,22 @@ sampled, if nothing is lost.  ``max_staleness = 0`` is synchronous training: one
 leases per version, then nothing until the learner has trained and published.
 
 Lease life: ``grant`` -> (``heartbeat`` renews ``deadline = now + ttl_s``) -> ``intake``
-of its group, or ``expire`` (deadline passed: the same task is re-issued under a new
-lease id), or ``release_actor`` (Goodbye: re-issued at once).
+of its group, or ``expire`` (a deadline passed: the same task is re-issued under a new
+lease id), or ``release_actor`` (Goodbye: re-issued at once), or ``revoke`` (its holder
+held more than its fair share while another actor waited: ``learner.control``).
+
+Two deadlines per lease, and it expires at the earlier one:
+
+``deadline``     ``ttl_s`` after the last heartbeat naming it (the actor died or lost it);
+``progress_by``  ``progress_timeout_s`` after the holder last made *progress*: returned a
+                 group (any outcome but ``not_holder``: ``intake``) or reported more
+                 generated tokens or decode steps in a heartbeat (``reported_progress``; the
+                 service calls ``progress``).  Heartbeats alone never move it, so an actor whose engine
+                 hangs while its heartbeat task runs loses its leases after that long.
+                 Progress is per actor (a heartbeat names no per-lease counter), so one
+                 lease stuck behind others that progress lives until ``ttl_s`` after its
+                 holder stops naming it; what a lying actor can hold so is bounded by its
+                 fair share (``learner.control``).
 
 Intake decides, in this order (the first that applies is the drop reason):
 
@@ -52,10 +66,11 @@ window in which this happens is bounded by ``max_staleness`` versions.
 
 from __future__ import annotations
 
+import math
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 import numpy as np
 
@@ -65,6 +80,19 @@ from turnscale.protocol.messages import Lease, Task, TrajectoryGroup
 
 DROP_REASONS = ("unknown_lease", "duplicate", "expired", "not_holder", "mismatch", "failed", "invalid", "stale")
 
+PROGRESS_STATS = ("tokens_generated", "decode_steps")
+"""Heartbeat counters whose growth is generation progress (every engine reports both:
+``actors.engine.ThreadedEngine.stats``).  ``tokens_generated`` grows when a generation
+finishes, ``decode_steps`` at every batched decode step, so one long generation on a slow
+device is progress too."""
+
+
+def reported_progress(before: Mapping[str, float], after: Mapping[str, float]) -> bool:
+    """True when a heartbeat's counters (``after``) show progress since the previous one
+    (``before``): a ``PROGRESS_STATS`` counter grew.  A counter that went down (an engine
+    rebuilt from zero) is not progress; its next growth is."""
+    return any(float(after.get(k, 0.0)) > float(before.get(k, 0.0)) for k in PROGRESS_STATS)
+
 
 @dataclass(slots=True)
 class LeaseRecord:
@@ -72,6 +100,11 @@ class LeaseRecord:
     actor_id: str
     issued_at: float
     deadline: float
+    """``ttl_s`` after the last heartbeat naming the lease (or its issue)."""
+    progress_by: float = math.inf
+    """``progress_timeout_s`` after its holder last made progress (or the lease's issue)."""
+    serial: int = 0
+    """Issue order (``revoke`` takes the youngest leases first: the least work lost)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +178,8 @@ class LeaseManager:
     max_staleness: int
     ttl_s: float
     publish_every: int = 1
+    progress_timeout_s: float = math.inf
+    """A lease whose holder makes no progress for this long expires (``learner.lease_progress_timeout_s``)."""
     seed: int = 0
     policy: PolicyView = field(default_factory=FixedPolicy)
     """The run's current version and turn limit (read-only here)."""
@@ -185,6 +220,14 @@ class LeaseManager:
         """How many more leases admission allows now (>= 0)."""
         return max(0, self.limit - self.in_flight - self.accepted)
 
+    @property
+    def window(self) -> int:
+        """The admission window: groups in flight or accepted for the versions the rule admits
+        at once, ``(max_staleness + 1) * groups_per_step * publish_every``.  Fair shares are
+        cut from it (``learner.control``): it does not shrink while accepted groups wait for
+        their step, so an actor's share does not either."""
+        return (self.max_staleness + 1) * self.groups_per_step * self.publish_every
+
     def grant(self, actor_id: str, max_leases: int, now: float) -> list[Lease]:
         """Up to ``max_leases`` new leases for ``actor_id`` (fewer when admission is closed)."""
         self.expire(now)
@@ -204,7 +247,8 @@ class LeaseManager:
             ttl_s=self.ttl_s,
             seed=int(np.random.default_rng([self.seed, self._counter]).integers(0, 2**31 - 1)),
         )
-        self.live[lease.lease_id] = LeaseRecord(lease, actor_id, now, now + self.ttl_s)
+        self.live[lease.lease_id] = LeaseRecord(lease, actor_id, now, now + self.ttl_s,
+                                                now + self.progress_timeout_s, self._counter)
         return lease
 
     # ------------------------------------------------------------------ liveness
@@ -220,9 +264,16 @@ class LeaseManager:
                 rec.deadline = now + self.ttl_s
         return unknown
 
+    def progress(self, actor_id: str, now: float) -> None:
+        """``actor_id`` made progress: each of its leases may live ``progress_timeout_s`` more."""
+        for rec in self.live.values():
+            if rec.actor_id == actor_id:
+                rec.progress_by = now + self.progress_timeout_s
+
     def expire(self, now: float) -> list[Lease]:
-        """Expire leases whose deadline passed; their tasks are re-issued.  Returns them."""
-        gone = [rec.lease for rec in self.live.values() if rec.deadline <= now]
+        """Expire leases whose deadline (heartbeat or progress) passed; their tasks are
+        re-issued.  Returns them."""
+        gone = [rec.lease for rec in self.live.values() if min(rec.deadline, rec.progress_by) <= now]
         for lease in gone:
             self._retire(lease.lease_id, "expired")
             self.stream.reissue(lease.task)
@@ -237,6 +288,21 @@ class LeaseManager:
     def held_by(self, actor_id: str) -> int:
         """Live leases of ``actor_id``."""
         return sum(1 for rec in self.live.values() if rec.actor_id == actor_id)
+
+    def holdings(self) -> Counter[str]:
+        """Live leases per actor id (one pass)."""
+        return Counter(rec.actor_id for rec in self.live.values())
+
+    def revoke(self, actor_id: str, n: int) -> list[Lease]:
+        """End the ``n`` youngest leases of ``actor_id`` (the least work lost); their tasks are
+        re-issued at once.  Its heartbeats then name them unknown (it abandons them) and a
+        group it still returns for one is dropped as ``expired``.  Returns them."""
+        mine = sorted((rec for rec in self.live.values() if rec.actor_id == actor_id), key=lambda r: -r.serial)
+        gone = [rec.lease for rec in mine[:max(0, n)]]
+        for lease in gone:
+            self._retire(lease.lease_id, "expired")
+            self.stream.reissue(lease.task)
+        return gone
 
     def release_actor(self, actor_id: str) -> list[Lease]:
         """An actor left (Goodbye) or re-registered: its leases end and their tasks are re-issued."""
@@ -265,6 +331,7 @@ class LeaseManager:
         lease = rec.lease
         if rec.actor_id != group.actor_id:  # not its holder: the lease stays live for the real group
             return IntakeResult(False, "not_holder")
+        self.progress(rec.actor_id, now)  # its holder returned a group (whatever it is worth)
         if (group.task != lease.task or group.turn_limit != lease.turn_limit
                 or (not group.failed and len(group.episodes) != lease.group_size)):
             self._retire(lease.lease_id, "received")

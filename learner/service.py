@@ -83,7 +83,7 @@ import zmq
 from turnscale.conf.schema import Config
 from turnscale.learner import relaytree
 from turnscale.learner.control import ControlHandler
-from turnscale.learner.leases import LeaseManager, Ready
+from turnscale.learner.leases import LeaseManager, Ready, reported_progress
 from turnscale.learner.runstate import RunState
 from turnscale.learner.signal import SignalWatch
 from turnscale.learner.registry import ActorRegistry, short
@@ -189,7 +189,7 @@ class LearnerService:
         self.leases = LeaseManager(
             stream=TaskStream(self.tasks, seed=lc.seed), group_size=cfg.algo.group_size,
             groups_per_step=lc.groups_per_step, max_staleness=lc.max_staleness, ttl_s=lc.lease_ttl_s,
-            publish_every=lc.publish_every, seed=lc.seed, policy=self.run,
+            publish_every=lc.publish_every, progress_timeout_s=lc.lease_progress_timeout_s, seed=lc.seed, policy=self.run,
             limits=GroupLimits(vocab_size=parts.vocab_size, max_tokens=cfg.sampling.max_context_tokens,
                                max_abs_reward=lc.max_abs_reward),
         )
@@ -205,7 +205,9 @@ class LearnerService:
         self.publishing = False
         """True while a publication is in progress: no leases are granted meanwhile."""
         self.manifest: WeightManifest | None = None
-        self.actors = ActorRegistry(max_actors=lc.max_actors, silent_s=3 * lc.heartbeat_interval_s)
+        self.actors = ActorRegistry(max_actors=lc.max_actors, silent_s=3 * lc.heartbeat_interval_s,
+                                    max_ids_per_connection=lc.max_actor_ids_per_connection,
+                                    max_ids_per_key=lc.max_actor_ids_per_key)
         """Registered actors, each bound to its connection (``learner.registry``)."""
         self.metrics = StepMetrics()
         self.signal = SignalWatch()  # warns when almost every group has equal rewards (no RL signal)
@@ -531,6 +533,7 @@ class LearnerService:
             except ProtocolError as exc:
                 log.warning("dropping unroutable message: %s", exc)
                 continue
+            self.actors.note_peer(prefix[0], body)  # the connection's CURVE key, for Hello (ids per key)
             try:
                 msg = await self._decode(body)
                 reply = self.handle(msg, prefix[0])
@@ -574,6 +577,8 @@ class LearnerService:
             a = self.actors.bound(msg.actor_id, identity)
             if a is None:
                 return _not_registered()
+            if reported_progress(a.stats, msg.stats):  # generation moved: its leases' progress deadline too
+                self.leases.progress(msg.actor_id, now)
             a.last_seen, a.policy_version, a.stats = now, msg.policy_version, dict(msg.stats)
             drained = self.control.heartbeat_gate(a, msg.lease_ids)
             if drained is not None:
@@ -587,6 +592,7 @@ class LearnerService:
                 return _not_registered()
             released = self.leases.release_actor(msg.actor_id)
             self.actors.drop(msg.actor_id)
+            self.control.forget(msg.actor_id)  # it no longer contends for a share
             log.info("actor %s left (%s); %d lease(s) released", short(msg.actor_id), short(msg.reason or "no reason"),
                      len(released))
             return GroupAck(lease_id="", accepted=True)
@@ -609,13 +615,16 @@ class LearnerService:
     def _hello(self, msg: Hello, identity: bytes, now: float) -> Any:
         if msg.schema_version != SCHEMA_VERSION:
             return ErrorReply(code="bad_message", message=f"schema {msg.schema_version} != {SCHEMA_VERSION}; upgrade the older side")
-        info, error, replaced = self.actors.register(msg, identity, now)
+        info, error, ended = self.actors.register(msg, identity, now)
         if error is not None:
             log.warning("Hello from %s refused: %s", short(msg.actor_id), error.code)
             return error
-        if replaced:
-            released = self.leases.release_actor(msg.actor_id)
-            log.info("actor %s re-registered; %d lease(s) released", short(msg.actor_id), len(released))
+        for aid in ended:  # the id's earlier session, or a silent id of the same client
+            released = self.leases.release_actor(aid)
+            self.control.forget(aid)
+            log.info("actor %s %s; %d lease(s) released", short(aid),
+                     "re-registered" if aid == msg.actor_id else f"silent, replaced by {short(msg.actor_id)}",
+                     len(released))
         log.info("actor %s registered (%s pid %d, %s on %s)", short(msg.actor_id), short(msg.host), msg.pid,
                  short(msg.engine), short(msg.device))
         lc, s = self.cfg.learner, self.cfg.sampling
@@ -683,7 +692,10 @@ class LearnerService:
             return LeaseGrant(leases=[], retry_after_s=1.0)
         if self.publishing:
             return LeaseGrant(leases=[], retry_after_s=0.1)
-        want = min(msg.max_leases, self.control.room(a))  # one actor cannot take the whole admission window
+        want = self.control.ask(a, msg.max_leases, now)  # its room: never past its fair share while others ask
+        revoked = self.control.reclaim(a, want, now)  # leases others hold past their share, when it waits
+        if revoked:
+            self.metrics.add("rollout/leases_revoked", len(revoked), "sum")
         leases = self.leases.grant(msg.actor_id, want, now)
         for lease in leases:
             log.info("lease %s (task %s, turn limit %d, version %d) granted to actor %s", lease.lease_id,

@@ -23,7 +23,7 @@ from turnscale.protocol import codec
 from turnscale.protocol.messages import GroupAck, Hello, LeaseGrant, LeaseRequest, TrajectoryGroup, Welcome
 from turnscale.protocol.transport import AsyncSocket, Requester, configure, free_port
 from tests.integration.test_failures import rss_mb
-from tests.unit.fakes import make_episode
+from tests.unit.fakes import make_episode, make_group
 from turnscale.common.procs import ProcessGroup
 
 VOCAB = 1024
@@ -152,9 +152,10 @@ def test_learner_drops_each_semantically_bad_group_as_invalid_and_keeps_training
 @pytest.mark.timeout(240)
 def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_take(tmp_path, tiny_model_dir):
     """Hostile clients against a real learner process: impersonated Hello and Goodbye, a
-    forged group for another actor's lease, lease hoarding, huge ids, an oversize multipart
-    message.  The real actor's leases survive every attack and its group is accepted; the
-    learner stays up and bounded."""
+    forged group for another actor's lease, lease hoarding (with the default lease settings),
+    a second actor id on the hoarder's connection, huge ids, an oversize multipart message.
+    The real actor's leases survive every attack, its group is accepted and it still gets a
+    lease while the hoarder asks for 10^6; the learner stays up and bounded."""
     from turnscale.protocol.messages import Goodbye, Heartbeat, HeartbeatAck
 
     ports = [free_port() for _ in range(3)]
@@ -162,9 +163,8 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
     learner = procs.start("learner", [
         "learner", f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
         f"model.path={tiny_model_dir}", f"learner.dir={tmp_path / 'learner'}", "learner.steps=1000",
-        "learner.groups_per_step=4", "algo.group_size=2", "learner.max_staleness=4", "learner.max_leases_per_actor=3",
-        "learner.max_message_mb=1", "logger.tensorboard=false", "logger.console_every_s=0",
-        "learner.heartbeat_interval_s=5"])
+        "algo.group_size=2", "learner.max_message_mb=1",  # every lease setting at its default; 1 MiB frames below
+        "logger.tensorboard=false", "logger.console_every_s=0", "learner.heartbeat_interval_s=5"])
     ctx = zmq.Context()
     out = {}
 
@@ -200,10 +200,13 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
             out["forged_group"] = await ask(evil, forged)
             out["forged_as_real"] = await ask(evil, replace(forged, actor_id="real"))
             out["hoard"] = await ask(evil, LeaseRequest(actor_id="evil", max_leases=1_000_000))
+            out["second_id"] = await ask(evil, hello("evil-2", "t-evil", max_groups=1000))  # a second share? no
             hb = await ask(real, Heartbeat(actor_id="real", lease_ids=[l.lease_id for l in leases], policy_version=0))
             out["real_heartbeat"] = hb
             real_group = replace(forged, actor_id="real")
             out["real_group"] = await ask(real, real_group)
+            out["real_again"] = await ask(real, LeaseRequest(actor_id="real", max_leases=1))  # during the attack
+            out["hoard_again"] = await ask(evil, LeaseRequest(actor_id="evil", max_leases=1_000_000))
             # huge ids (512 KB, under the 1 MiB frame limit): refused, never stored, logs bounded
             rss0, log0 = rss_mb(learner.pid), learner.log_path.stat().st_size
             for i in range(100):
@@ -235,9 +238,12 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
         assert out["goodbye"].code == "not_registered" and out["heartbeat_as_real"].code == "not_registered"
         assert (out["forged_group"].accepted, out["forged_group"].reason) == (False, "not_holder")
         assert out["forged_as_real"].code == "not_registered"
-        assert len(out["hoard"].leases) == 3  # learner.max_leases_per_actor
+        assert len(out["hoard"].leases) == 4  # its fair share, ceil(window 8 / 2 actors), not the free 6
+        second = out["second_id"]
+        assert second.code == "too_many_actor_ids" and "learner.max_actor_ids_per_connection" in second.message
         assert isinstance(out["real_heartbeat"], HeartbeatAck) and out["real_heartbeat"].unknown_lease_ids == []
         assert out["real_group"].accepted, out["real_group"]  # never a "duplicate" of the forgery
+        assert len(out["real_again"].leases) == 1 and out["hoard_again"].leases == []
         assert out["huge_id_reply"].code == "bad_message"
         assert type(out["over_frame"]).__name__ == "PeerTimeout"
         rss0, rss1, log_growth = out["huge_ids"]
@@ -246,6 +252,102 @@ def test_learner_binds_actor_ids_to_connections_and_bounds_what_one_client_can_t
         assert out["oversize"].code == "bad_message" and "over the learner's limit" in out["oversize"].message
         assert isinstance(out["after"], HeartbeatAck) and out["after"].unknown_lease_ids == []
         assert learner.alive()
+    finally:
+        ctx.destroy(linger=0)
+        procs.close(grace_s=8)
+
+
+HOARD_ATTACK_S = 4.0
+"""How long the hoarder attacks while the honest client plays (a few rounds of leases)."""
+
+
+@pytest.mark.timeout(240)
+def test_an_honest_actor_gets_leases_during_a_hoarding_attack_with_the_default_settings(tmp_path, tiny_model_dir):
+    """A real learner with every lease setting at its default (window (1 + 1) * 4 = 8 groups,
+    ``learner.max_leases_per_actor`` 64).  A hoarder takes the whole window while alone, then
+    keeps asking for 10^6 leases and heartbeating its leases without ever returning a group
+    or reporting generation progress.  Meanwhile an honest client asks for 2 leases at a time
+    and returns each group at once.  During the attack the honest client gets leases on its
+    first request and keeps getting them (a training step's worth), and whenever it waits
+    for leases the hoarder holds at most its fair share, ceil(8 / 2) = 4.  (Before fair
+    shares the honest client got 0 leases: the hoarder held the window for good.)"""
+    from turnscale.protocol.messages import ControlRequest, Heartbeat
+
+    ports = [free_port() for _ in range(3)]
+    procs = ProcessGroup(tmp_path / "logs", "turnscale")
+    learner = procs.start("learner", [
+        "learner", f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}",
+        f"model.path={tiny_model_dir}", f"learner.dir={tmp_path / 'learner'}", "learner.steps=1000",
+        "logger.tensorboard=false", "logger.console_every_s=0"])
+    ctx = zmq.Context()
+    out: dict = {"rounds": [], "hoarder_told": 0}
+
+    def conn():
+        s = AsyncSocket(configure(ctx.socket(zmq.DEALER)))
+        s.sock.connect(f"tcp://127.0.0.1:{ports[0]}")
+        return Requester(s)
+
+    def hello(actor_id, max_groups):
+        return Hello(actor_id=actor_id, host="h", pid=1, engine="fake", device="cpu", max_groups=max_groups)
+
+    async def hoard(req, held: set):
+        """Ask for 10^6 and heartbeat (no progress) every 0.2 s; drop what the learner revoked."""
+        while True:
+            g = await req.request(LeaseRequest(actor_id="hoarder", max_leases=1_000_000), timeout_s=10)
+            held |= {l.lease_id for l in g.leases}
+            ack = await req.request(Heartbeat(actor_id="hoarder", lease_ids=sorted(held), policy_version=0,
+                                              stats={"tokens_generated": 0.0}), timeout_s=10)
+            out["hoarder_told"] += len(ack.unknown_lease_ids)
+            held -= set(ack.unknown_lease_ids)
+            await trio.sleep(0.2)
+
+    async def play(req, ctl, t0):
+        """An honest client: ask for what it lacks, return each group at once, read the status."""
+        while True:
+            g = await req.request(LeaseRequest(actor_id="honest", max_leases=2), timeout_s=10)
+            st = await ctl.request(ControlRequest(), timeout_s=10)
+            leases = {a.actor_id: a.leases for a in st.actors}
+            out["rounds"].append((trio.current_time() - t0, len(g.leases), leases.get("hoarder", 0)))
+            for lease in g.leases:
+                ack = await req.request(make_group(lease, actor_id="honest"), timeout_s=10)
+                out["accepted"] = out.get("accepted", 0) + int(ack.accepted)
+            if len(g.leases) < 2:
+                await trio.sleep(g.retry_after_s)
+
+    async def attack():
+        hoarder, honest, ctl = conn(), conn(), conn()
+        with trio.fail_after(150):
+            while True:  # the learner takes a few seconds to load the model
+                try:
+                    if isinstance(await hoarder.request(hello("hoarder", 1000), timeout_s=2), Welcome):
+                        break
+                except Exception:
+                    assert learner.alive(), learner.tail()
+                    await trio.sleep(0.5)
+            assert isinstance(await honest.request(hello("honest", 2), timeout_s=10), Welcome)
+        alone = await hoarder.request(LeaseRequest(actor_id="hoarder", max_leases=1_000_000), timeout_s=10)
+        out["alone"] = len(alone.leases)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            n.start_soon(hoard, hoarder, {l.lease_id for l in alone.leases})
+            n.start_soon(play, honest, ctl, t0)
+            await trio.sleep(HOARD_ATTACK_S)
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(attack)
+        rounds = out["rounds"]
+        print(f"hoarder alone: {out['alone']} leases; honest rounds (t, got, hoarder holds): {rounds}; "
+              f"accepted {out.get('accepted', 0)}, hoarder told of {out['hoarder_told']} revoked")
+        assert out["alone"] == 8  # a lone actor may use the whole window
+        t_first, got_first, _ = rounds[0]
+        assert got_first == 2, rounds  # its first request, while the hoarder holds the window
+        assert t_first < 2.0, rounds  # one round trip; 2 s leaves room for a loaded 2-core CI box
+        assert out.get("accepted", 0) >= 4, rounds  # a training step's worth of groups during the attack
+        waiting = [(t, hoarder) for t, got, hoarder in rounds if got < 2]
+        assert all(hoarder <= 4 for _, hoarder in waiting), waiting  # at most its share while the honest waits
+        assert rounds[-1][2] <= 4 and out["hoarder_told"] >= 4  # cut to its share, and told so
+        assert learner.alive(), learner.tail()
     finally:
         ctx.destroy(linger=0)
         procs.close(grace_s=8)

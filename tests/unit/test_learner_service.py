@@ -867,6 +867,149 @@ def test_sigterm_at_any_point_of_the_step_cycle_loses_no_acknowledged_group(poin
     assert len(acked) > len(ledger.trained)  # some acked groups were still untrained at the stop
 
 
+async def _ask(req, msg):
+    """The reply, or the ``ErrorReply`` a ``RemoteError`` carried."""
+    try:
+        return await req.request(msg, timeout_s=5)
+    except RemoteError as exc:
+        return ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable)
+
+
+def _hello(aid, max_groups=2):
+    return Hello(actor_id=aid, host="h", pid=1, engine="fake", device="cpu", max_groups=max_groups)
+
+
+def test_a_hoarder_holds_no_more_than_its_share_once_another_actor_asks():
+    """Default lease settings (window (1 + 1) * 4 = 8, 64 leases per actor): a client asking
+    for 10^6 leases alone gets the window; an honest actor asking next gets what it asks for
+    at once, and the hoarder's further requests get nothing while the honest one contends."""
+    cfg = make_cfg(**{"learner.steps": 50, "learner.max_staleness": 1, "learner.groups_per_step": 4})
+    parts = ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict, schedule=FakeSchedule())
+    seen = {}
+
+    async def script(svc, ctx):
+        from turnscale.protocol.messages import ControlRequest
+
+        hoarder, honest, ctl = await client(ctx, cfg), await client(ctx, cfg), await client(ctx, cfg)
+        await hoarder.request(_hello("hoarder", max_groups=1000), timeout_s=5)
+        await honest.request(_hello("honest"), timeout_s=5)
+        seen["alone"] = await hoarder.request(LeaseRequest(actor_id="hoarder", max_leases=1_000_000), timeout_s=5)
+        seen["honest"] = await honest.request(LeaseRequest(actor_id="honest", max_leases=2), timeout_s=5)
+        seen["again"] = await hoarder.request(LeaseRequest(actor_id="hoarder", max_leases=1_000_000), timeout_s=5)
+        seen["hb"] = await hoarder.request(Heartbeat(actor_id="hoarder", lease_ids=[l.lease_id for l in seen["alone"].leases],
+                                                     policy_version=0), timeout_s=5)
+        seen["status"] = await ctl.request(ControlRequest(), timeout_s=5)
+
+    svc, _ = run_service_with(cfg, parts, script)
+    assert len(seen["alone"].leases) == 8
+    assert len(seen["honest"].leases) == 2 and seen["again"].leases == []
+    revoked = [l.lease_id for l in seen["alone"].leases[-2:]]  # the youngest: the least work lost
+    assert sorted(seen["hb"].unknown_lease_ids) == sorted(revoked)  # the hoarder is told to abandon them
+    by_id = {a.actor_id: a.leases for a in seen["status"].actors}
+    assert by_id == {"hoarder": 6, "honest": 2}
+    assert svc.metrics.reduce().get("rollout/leases_revoked") == 2
+
+
+def test_a_heartbeat_without_generation_progress_does_not_keep_leases_alive():
+    """learner.lease_progress_timeout_s: both actors heartbeat every 0.1 s; the one whose
+    tokens_generated grows keeps its lease, the one whose engine hangs loses it (named
+    unknown in its HeartbeatAck, its task re-issued) although its heartbeats never stop."""
+    cfg = make_cfg(**{"learner.steps": 50, "learner.max_staleness": 3, "learner.lease_progress_timeout_s": 0.6,
+                      "learner.lease_ttl_s": 30})
+    parts = ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict, schedule=FakeSchedule())
+    seen = {"busy": [], "hung": []}
+
+    async def script(svc, ctx):
+        reqs = {aid: await client(ctx, cfg) for aid in seen}
+        held = {}
+        for aid, req in reqs.items():
+            await req.request(_hello(aid, max_groups=1), timeout_s=5)
+            (held[aid],) = (await req.request(LeaseRequest(actor_id=aid, max_leases=1), timeout_s=5)).leases
+        t0 = trio.current_time()
+        tokens = 0.0
+        while trio.current_time() - t0 < 1.5:
+            tokens += 10.0
+            for aid, req in reqs.items():
+                stats = {"tokens_generated": tokens if aid == "busy" else 5.0, "engine_busy": 1.0}
+                ack = await req.request(Heartbeat(actor_id=aid, lease_ids=[held[aid].lease_id], policy_version=0,
+                                                  stats=stats), timeout_s=5)
+                seen[aid].append((trio.current_time() - t0, ack.unknown_lease_ids))
+            await trio.sleep(0.1)
+        return held, svc.leases.stream.next()
+
+    _, (held, next_task) = run_service_with(cfg, parts, script)
+    assert all(unknown == [] for _, unknown in seen["busy"])
+    lost = [t for t, unknown in seen["hung"] if unknown == [held["hung"].lease_id]]
+    assert lost and 0.6 <= lost[0] < 1.2, seen["hung"]  # gone after the timeout, not before
+    assert all(unknown == [] for t, unknown in seen["hung"] if t < 0.6)
+    assert next_task == held["hung"].task  # re-issued
+
+
+def test_one_connection_gets_one_actor_id_and_the_refusal_names_the_key_to_raise():
+    cfg = make_cfg()
+    parts = ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict, schedule=FakeSchedule())
+
+    async def script(svc, ctx):
+        req = await client(ctx, cfg)
+        first = await _ask(req, _hello("a"))
+        second = await _ask(req, _hello("b"))
+        again = await _ask(req, _hello("a"))
+        elsewhere = await _ask(await client(ctx, cfg), _hello("b"))
+        return first, second, again, elsewhere
+
+    _, (first, second, again, elsewhere) = run_service_with(cfg, parts, script)
+    assert isinstance(first, Welcome) and isinstance(again, Welcome) and isinstance(elsewhere, Welcome)
+    assert isinstance(second, ErrorReply) and second.code == "too_many_actor_ids"
+    assert "learner.max_actor_ids_per_connection" in second.message
+
+
+def test_one_curve_key_registers_at_most_max_actor_ids_per_key_over_all_its_connections(tmp_path):
+    """CURVE on: 9 connections with one client key (each its own routing identity) register
+    8 actor ids (``learner.max_actor_ids_per_key``); the 9th is refused; another key is not."""
+    import logging
+
+    from turnscale.protocol.curve import ZapAuthenticator, create_keys, load_cert, load_secret
+    from turnscale.protocol.transport import CurveKeys
+
+    ks = create_keys(str(tmp_path / "k"), actors=2)
+    lpub, lsec = load_secret(ks.learner_secret)
+    cfg = make_cfg()
+    ctx = zmq.Context()
+    auth = ZapAuthenticator(ctx, ks.authorized, logging.getLogger("test.zap"))
+    svc = LearnerService(cfg, ServiceParts(trainer=FakeTrainer(), publisher=FakePublisher(), weights=dict,
+                                           schedule=FakeSchedule(), curve=CurveKeys(public=lpub, secret=lsec), context=ctx))
+    svc.linger_s, svc.announce_every_s = 0.3, 0.2
+    replies = []
+
+    async def connect(secret_path):
+        pub, sec = load_secret(secret_path)
+        keys = CurveKeys(public=pub, secret=sec, server_public=load_cert(ks.learner_public)[0])
+        d = configure(ctx.socket(zmq.DEALER), curve=keys)
+        d.connect(f"tcp://127.0.0.1:{cfg.learner.port}")
+        return Requester(AsyncSocket(d))
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(svc.serve)
+                await svc.ready.wait()
+                for i in range(9):
+                    replies.append(await _ask(await connect(ks.actor_secrets[0]), _hello(f"k1-{i}")))
+                replies.append(await _ask(await connect(ks.actor_secrets[1]), _hello("k2-0")))
+                n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        auth.stop()
+        ctx.destroy(linger=0)
+    assert all(isinstance(r, Welcome) for r in replies[:8]), replies[:8]
+    assert isinstance(replies[8], ErrorReply) and replies[8].code == "too_many_actor_ids"
+    assert "learner.max_actor_ids_per_key" in replies[8].message
+    assert isinstance(replies[9], Welcome)
+    assert {a.peer_key for a in svc.actors.values()} == {load_cert(p)[0].decode() for p in ks.actor_secrets}
+
+
 # ----------------------------------------------------------------------------- one group cannot cost everyone a step
 
 

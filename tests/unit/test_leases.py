@@ -205,3 +205,61 @@ def test_no_group_is_trained_beyond_max_staleness_and_nothing_is_lost_or_trained
         places = Counter([*trained_tasks, *(r.lease.task for r in ready), *(rec.lease.task for rec in m.live.values()),
                           *m.stream.pending_reissue])
         assert places == handed_out, "a task was lost or duplicated"
+
+
+def test_heartbeats_without_progress_do_not_keep_a_lease_past_the_progress_timeout():
+    """An actor whose engine hangs while its heartbeat task runs: its leases expire
+    ``progress_timeout_s`` after issue although every heartbeat names them."""
+    m = manager(ttl_s=10.0, progress_timeout_s=30.0)
+    l1, l2 = m.grant("a1", 2, now=0)
+    for t in range(5, 30, 5):
+        assert m.heartbeat("a1", [l1.lease_id, l2.lease_id], now=t) == []
+    assert m.expire(now=29.9) == []
+    assert m.expire(now=30.0) == [l1, l2]
+    assert m.heartbeat("a1", [l1.lease_id, l2.lease_id], now=31) == [l1.lease_id, l2.lease_id]  # abandon them
+    assert [l.task for l in m.grant("b", 2, now=31)] == [l1.task, l2.task]  # re-issued
+
+
+def test_progress_renews_the_progress_deadline_of_every_lease_of_that_actor_only():
+    m = manager(ttl_s=10.0, progress_timeout_s=30.0)
+    a1, a2 = m.grant("a1", 2, now=0)
+    (b1,) = m.grant("b", 1, now=0)
+    for t in range(5, 75, 5):
+        m.heartbeat("a1", [a1.lease_id, a2.lease_id], now=t)
+        m.heartbeat("b", [b1.lease_id], now=t)
+        if t in (20, 45):
+            m.progress("a1", now=t)  # e.g. its heartbeat reported more generated tokens
+    assert m.take_expired() == [b1]  # at 30: b made no progress
+    assert m.expire(now=74.9) == [] and m.expire(now=75.0) == [a1, a2]
+
+
+def test_a_group_returned_is_progress_for_the_holders_other_leases():
+    m = manager(ttl_s=100.0, progress_timeout_s=30.0)
+    l1, l2 = m.grant("a1", 2, now=0)
+    assert not m.intake(make_group(l1, actor_id="b"), now=25).accepted  # someone else's group: no progress
+    assert m.intake(make_group(l1), now=25).accepted
+    assert m.expire(now=54.9) == [] and m.expire(now=55.0) == [l2]
+
+
+def test_only_growth_of_generated_tokens_or_decode_steps_is_reported_progress():
+    from turnscale.learner.leases import reported_progress
+
+    assert reported_progress({"tokens_generated": 10.0}, {"tokens_generated": 11.0, "engine_busy": 0.5})
+    assert reported_progress({}, {"tokens_generated": 1.0})  # the first heartbeat after some generation
+    assert reported_progress({"tokens_generated": 10.0, "decode_steps": 5.0},
+                             {"tokens_generated": 10.0, "decode_steps": 9.0})  # one long generation under way
+    assert not reported_progress({"tokens_generated": 10.0}, {"tokens_generated": 10.0, "engine_busy": 0.9})
+    assert not reported_progress({"tokens_generated": 10.0}, {"tokens_generated": 3.0})  # engine rebuilt: not yet
+    assert not reported_progress({"tokens_generated": 10.0}, {})
+
+
+def test_revoke_ends_the_youngest_leases_of_that_actor_and_reissues_their_tasks():
+    m = manager(ttl_s=10.0)
+    old, mid, young = m.grant("a1", 3, now=0)
+    (other,) = m.grant("b", 1, now=1)
+    assert m.revoke("a1", 2) == [young, mid]
+    assert set(m.live) == {old.lease_id, other.lease_id}
+    assert m.heartbeat("a1", [young.lease_id], now=2) == [young.lease_id]  # the holder abandons it
+    assert (m.intake(make_group(young), now=2).reason) == "expired"  # a late group is not trained
+    assert [l.task for l in m.grant("c", 2, now=2)] == [young.task, mid.task]
+    assert m.take_expired() == []  # revoked, not expired: the service reports them itself
