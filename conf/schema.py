@@ -43,12 +43,27 @@ class ServerLimits:
     call_timeout_s: float = 60.0
     """Deadline of every env call (create, reset, step, observation, expert, hint, close).
     A call past it answers 504 and its instance is broken and disposed of."""
-    max_overrun_calls: int = 8
-    """Env calls past their deadline that may still hold a worker thread; at this many,
-    ``/health`` answers 503 and new env calls are refused with 503 until some return."""
-    max_instances_per_client: int = 0
-    """Instances one client may hold (0: ``max_instances``).  A client is the peer IP
-    address plus the optional ``X-Envhub-Client`` header token."""
+    max_overrun_calls: int = 16
+    """Env calls past their deadline that may still hold a worker thread, all clients
+    together; at this many, ``/health`` answers 503 and every new env call is refused with
+    503 until some return.  Keep it >= ``max_overrun_calls_per_address`` +
+    ``env.options.server_threads`` (16 >= 4 + 8): one address can then never reach it."""
+    max_overrun_calls_per_address: int = 4
+    """Env calls started by one peer address that overran their deadline and still hold a
+    worker thread; at this many, that address's new env calls are refused (429
+    ``overrun_quota``, ``Retry-After``) while other addresses are served."""
+    max_instances_per_address: int = 0
+    """Instances one peer IP address may hold, all its ``X-Envhub-Client`` tokens together
+    (a token labels instances, it never adds quota).  0: seven eighths of
+    ``env.max_instances``, rounded up (448 of 512): actors behind one host share it, and
+    other addresses keep the rest."""
+    max_connections_per_address: int = 0
+    """Open HTTP connections from one peer IP address; one beyond it is closed at once.
+    0: seven eighths of ``max_connections``, rounded up (896 of 1024)."""
+    max_json_values: int = 4096
+    """JSON values (array items, object members, scalars) one request body may hold (422
+    ``too_many_values`` beyond, counted before the body is decoded).  The largest body a
+    route takes, a 256-step ``/v1/step_batch``, holds about 1,300."""
     max_body_bytes: int = 1 << 20
     """Request body limit: a larger ``Content-Length`` is refused before reading (413),
     a body without one is counted while it streams."""
@@ -68,9 +83,10 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for key in ("call_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "shutdown_timeout_s"):
             _require(getattr(self, key) > 0, f"env.limits.{key}", "must be > 0 seconds")
-        for key in ("max_overrun_calls", "max_body_bytes", "max_json_depth", "max_connections"):
+        for key in ("max_overrun_calls", "max_overrun_calls_per_address", "max_body_bytes", "max_json_depth", "max_connections", "max_json_values"):
             _require(getattr(self, key) > 0, f"env.limits.{key}", "must be > 0")
-        _require(self.max_instances_per_client >= 0, "env.limits.max_instances_per_client", "must be >= 0 (0: max_instances)")
+        for key in ("max_instances_per_address", "max_connections_per_address"):
+            _require(getattr(self, key) >= 0, f"env.limits.{key}", "must be >= 0 (0: seven eighths of the server-wide limit)")
 
 
 @dataclass(kw_only=True)

