@@ -17,7 +17,10 @@ One trio nursery holds four named tasks under ``LearnerService.serve``:
   one optimizer step in a worker thread (``trio.to_thread.run_sync``), so control
   messages are answered while the model trains.  A step the trainer refused (non-finite
   loss or gradient: the weights are unchanged, ``step`` does not advance) is counted
-  and neither publishes nor checkpoints.  Ordering after each step:
+  and neither publishes nor checkpoints; its groups' tasks are re-issued.  Groups the
+  trainer dropped from a step for a non-finite value (``last_dropped``) are re-issued and
+  written to the ledger as ``dropped_nonfinite``; the rest of the step trains.  Ordering
+  after each step:
 
   1. the run's step advances (``RunState.advance``, as soon as the trainer's thread
      returns) and with it the turn limit for new leases (the schedule's limit at the new
