@@ -213,7 +213,7 @@ def bare_vllm(engine, chains, batch: int) -> int:
     """Replay per-episode request chains straight through vLLM (``engine.core``) from this
     thread: up to ``batch`` chains at once, each turn added when the previous one finished.
     The engine must be idle (its thread then never touches vLLM).  Returns tokens generated."""
-    from turnscale.actors.vllm_engine import sampling_kwargs
+    from turnscale.actors.vllm_engine import cache_salt, sampling_kwargs
 
     api, core = engine.api, engine.core
     queue = list(reversed(chains))
@@ -225,7 +225,7 @@ def bare_vllm(engine, chains, batch: int) -> int:
         n += 1
         req, rid = chain[i], f"bare-{n}"
         params = api.SamplingParams(output_kind=api.RequestOutputKind.DELTA, **sampling_kwargs(req))
-        core.add_request(rid, api.TokensPrompt(prompt_token_ids=[int(t) for t in req.prompt_ids], cache_salt=f"v{engine.version}"), params)
+        core.add_request(rid, api.TokensPrompt(prompt_token_ids=[int(t) for t in req.prompt_ids], cache_salt=cache_salt(engine.weight_loads, engine.version)), params)
         active[rid] = (chain, i)
 
     while queue and len(active) < batch:

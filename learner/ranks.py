@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -130,25 +130,32 @@ class RankChannel:
         for dst in range(1, self.world):
             self.send(dst, msg)
 
-    def sum_gaps(self, gaps: Sequence[GroupGap], indices: Sequence[int], total: int) -> list[GroupGap]:
+    def sum_gaps(self, gaps: Sequence[GroupGap], indices: Sequence[int], total: int,
+                 dropped: Iterable[int] = ()) -> tuple[list[GroupGap], set[int]]:
         """Every rank: its groups' gap sums (``gaps[k]`` for batch position ``indices[k]``)
-        all-reduced into one list over the whole batch (a collective; [] when any rank
-        reports none, as ``algo=sft`` does)."""
+        all-reduced into one list over the whole batch, and the batch positions of the groups
+        any rank's trainer dropped as non-finite (``dropped``: positions ``k`` in this rank's
+        share).  One collective.  The gap list is [] when any rank reports none, as
+        ``algo=sft`` does; the dropped set is complete either way, so rank 0 re-issues every
+        dropped group's task, whichever rank dropped it."""
         import torch.distributed as dist
 
-        t = torch.zeros(total + 1, 3, dtype=torch.float64)
+        t = torch.zeros(total + 1, 4, dtype=torch.float64)
         if len(gaps) == len(indices):
             for i, g in zip(indices, gaps):
-                t[i] = torch.tensor([g.tokens, g.abs_gap_sum, g.weight_sum], dtype=torch.float64)
+                t[i, :3] = torch.tensor([g.tokens, g.abs_gap_sum, g.weight_sum], dtype=torch.float64)
         else:
             t[total, 0] = 1.0  # this rank has no gaps
+        for k in dropped:
+            t[indices[k], 3] = 1.0
         try:
             dist.all_reduce(t, group=self.group)
         except (RuntimeError, dist.DistError) as exc:
             raise _lost(None, "summing the step's per-group metrics", exc) from exc
+        gone = {i for i in range(total) if t[i, 3] > 0}
         if t[total, 0] > 0:
-            return []
-        return [GroupGap(*map(float, row)) for row in t[:total]]
+            return [], gone
+        return [GroupGap(*map(float, row[:3])) for row in t[:total]], gone
 
 
 def _distributed_failure(exc: BaseException) -> bool:
@@ -195,8 +202,8 @@ class RankedTrainer:
         self.trainer, self.channel = trainer, channel
         self.last_group_gaps: list[GroupGap] = []
         self.last_dropped: dict[int, str] = {}
-        """Groups of the last step that rank 0's trainer dropped as non-finite, by index in the
-        whole batch (other ranks' drops are not reported yet: they count as trained)."""
+        """Groups of the last step that any rank's trainer dropped as non-finite, by index in
+        the whole batch (followers' drops arrive through ``RankChannel.sum_gaps``)."""
         self._lock = threading.Lock()
         """Held while rank 0 uses the channel: a step, a resume, a ping, the stop."""
         self._last_sent = time.monotonic()
@@ -228,8 +235,11 @@ class RankedTrainer:
                 if not _distributed_failure(exc):  # e.g. out of memory: rank 0's own error, as it is
                     raise
                 raise _lost(None, "training a step (DDP)", exc) from exc
-            self.last_group_gaps = self.channel.sum_gaps(self.trainer.last_group_gaps, shares[0], len(groups))
-            self.last_dropped = {shares[0][i]: why for i, why in getattr(self.trainer, "last_dropped", {}).items()}
+            mine = getattr(self.trainer, "last_dropped", {})
+            self.last_group_gaps, gone = self.channel.sum_gaps(self.trainer.last_group_gaps, shares[0], len(groups), mine)
+            own = {shares[0][i]: why for i, why in mine.items()}
+            self.last_dropped = {i: own.get(i, "a non-finite value (dropped on a follower rank; its log says which)")
+                                 for i in sorted(gone | set(own))}
             self._last_sent = time.monotonic()
         out["perf/learner_ranks"] = float(self.channel.world)
         return out
@@ -313,6 +323,8 @@ def follow(cfg: Any, channel: RankChannel) -> int:
             if msg.step != trainer.step:
                 raise RankError(f"rank {channel.rank} is at step {trainer.step}, rank 0 at {msg.step}")
             trainer.train_step(msg.groups)
-            channel.sum_gaps(trainer.last_group_gaps, msg.indices, msg.total_groups)
+            channel.sum_gaps(trainer.last_group_gaps, msg.indices, msg.total_groups, trainer.last_dropped)
+            for k, why in trainer.last_dropped.items():
+                log.warning("learner rank %d dropped group %d of step %d: %s", channel.rank, msg.indices[k], msg.step + 1, why)
         else:
             raise RankError(f"rank {channel.rank}: unexpected {type(msg).__name__}")

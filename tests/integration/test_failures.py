@@ -481,8 +481,11 @@ def test_slow_learner_bounds_leases_staleness_and_actor_memory(cluster_factory):
             total += accepted_by_version[v]
             assert total <= (MAX_STALENESS + v + 1) * GROUPS_PER_STEP, (v, total)
         grants = c.grants(learner)
+        # re-issued tasks add grants: expired, failed, and leases taken back from an actor
+        # above its fair share when the other one asked (learner.control)
         assert len(grants) <= (MAX_STALENESS + steps + 1) * GROUPS_PER_STEP + sum(
-            m.get("rollout/leases_expired", 0) + m.get("rollout/dropped/failed", 0) for m in metrics)
+            m.get("rollout/leases_expired", 0) + m.get("rollout/dropped/failed", 0)
+            + m.get("rollout/leases_revoked", 0) for m in metrics)
         assert max(m["perf/leases_in_flight"] for m in metrics) <= (MAX_STALENESS + 1) * GROUPS_PER_STEP
         # idle actors wait for leases instead of piling up work: memory stays flat
         for name in base:

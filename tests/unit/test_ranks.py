@@ -76,11 +76,14 @@ class _FakeChannel:
     def broadcast(self, msg):
         self.send(1, msg)
 
-    def sum_gaps(self, gaps, indices, total):
+    follower_dropped: set[int] = set()
+    """Batch positions a follower's trainer dropped (what the all-reduce would bring back)."""
+
+    def sum_gaps(self, gaps, indices, total, dropped=()):
         out = [GroupGap()] * total
         for i, g in zip(indices, gaps):
             out[i] = g
-        return out
+        return out, {indices[k] for k in dropped} | self.follower_dropped
 
 
 class _FakeTrainer:
@@ -134,3 +137,20 @@ def test_fsdp_is_refused_with_a_clear_error():
     tr.accelerator.distributed_type = "DistributedType.FSDP"
     with pytest.raises(RankError, match="replicated weights"):
         RankedTrainer(tr, _FakeChannel(), timeout_s=600)
+
+
+def test_groups_dropped_on_any_rank_are_reported_by_batch_position():
+    """Rank 0 re-issues every dropped group's task, also those a follower dropped."""
+    groups = synthetic_groups(4, 2, vocab=256, prompt_len=8, turns=2, tokens_per_turn=6, obs_len=4)
+    shares = split_by_tokens([group_tokens(g) for g in groups], 2)
+    ch, tr = _FakeChannel(), _FakeTrainer()
+    ch.follower_dropped = {shares[1][0]}
+    tr.last_dropped = {0: "episodes[0].reward: not finite"}  # rank 0's trainer dropped its first group
+    ranked = RankedTrainer(tr, ch, timeout_s=600)
+    try:
+        ranked.train_step(groups)
+    finally:
+        ranked.stop("done")
+    assert set(ranked.last_dropped) == {shares[0][0], shares[1][0]}
+    assert ranked.last_dropped[shares[0][0]] == "episodes[0].reward: not finite"
+    assert "follower rank" in ranked.last_dropped[shares[1][0]]
