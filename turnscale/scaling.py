@@ -49,8 +49,9 @@ class PoolPolicy:
     tokens/s per unit of cost."""
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ScalingConfigError("pool.name must not be empty")
+        if not (self.name.isascii() and self.name.replace("_", "").isalnum()):
+            raise ScalingConfigError(f"pool.name {self.name!r}: letters, digits and '_' only (actor ids are "
+                                     "'<pool>-<job>_<task>')")
         if not 0 <= self.min_actors <= self.max_actors:
             raise ScalingConfigError(f"pool {self.name}: need 0 <= min_actors ({self.min_actors}) <= max_actors ({self.max_actors})")
         if self.cost <= 0:

@@ -32,6 +32,7 @@ it stops within seconds, docs/architecture.md "Graceful stop").
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -163,6 +164,20 @@ def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: lis
     return "\n".join(lines) + "\n"
 
 
+_ACTOR_ID = re.compile(r"^([A-Za-z0-9_]+)-([0-9]+_[0-9]+)$")
+
+
+def parse_actor_id(actor_id: str) -> tuple[str, str]:
+    """``(pool, "<job>_<task>")`` of an actor id this launcher made (``<pool>-<job>_<task>``);
+    ``ValueError`` for anything else.  Unambiguous because a pool name has no ``-``
+    (``PoolConfig`` refuses one), so the only ``-`` separates the pool from the Slurm ids."""
+    m = _ACTOR_ID.match(actor_id)
+    if m is None:
+        raise ValueError(f"{actor_id!r} is not an actor id of turnscale slurm ('<pool>-<job>_<task>', "
+                         "pool: letters, digits, '_')")
+    return m.group(1), m.group(2)
+
+
 Runner = Callable[[Sequence[str]], str]
 
 
@@ -221,14 +236,14 @@ class SlurmBackend:
 
     def drain(self, actor_id: str) -> None:
         """The learner drains it; the actor exits by itself and its array task ends."""
+        pool, _ = parse_actor_id(actor_id)
         self.drained.append(actor_id)
-        pool = actor_id.split("-", 1)[0]
         if self.pools.get(pool, 0) > 0:
             self.pools[pool] -= 1
 
     def cancel(self, actor_id: str) -> None:
         """``scancel`` the array task of ``actor_id`` (``<pool>-<job>_<task>``): SIGTERM, then Slurm's KillWait."""
-        self.runner(["scancel", actor_id.split("-", 1)[1]])
+        self.runner(["scancel", parse_actor_id(actor_id)[1]])
 
 
 def main(argv: Iterable[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import pytest
 
 from turnscale.cluster.slurm import FakeSlurm, Node, available
 from turnscale.protocol.transport import free_port
+from turnscale.slurm import parse_actor_id
 from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
 from tests.slurm_fixtures import learner_job, run_logs, run_overrides, slurm_session, submit, wait_for, wait_started
 
@@ -50,7 +51,7 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
         assert all(m["perf/learner_ranks"] == 2 for m in metrics), run_logs(run)
         assert (run / "learner.addr").read_text().split()[1] == str(ports[0])
         trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
-        pools = {t["actor_id"].split("-", 1)[0] for t in trajs if t["accepted"]}
+        pools = {parse_actor_id(t["actor_id"])[0] for t in trajs if t["accepted"]}
         assert pools == {"cpu", "cpu2"}, pools
         assert any("pool/cpu/actors" in m for m in metrics) and any("pool/cpu2/actors" in m for m in metrics)
         for pool in ("cpu", "cpu2"):  # learner.poolgap: each pool's trained groups, the real trainer's gap

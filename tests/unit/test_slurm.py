@@ -277,3 +277,28 @@ def test_autoscaler_resubmits_the_actors_a_backend_lost_and_leaves_draining_and_
 
     assert Autoscaler(control=None, controller=ScalingController(policy, wanted={"cpu": 2}),  # type: ignore[arg-type]
                       backend=NoRefresh()).replace_lost() == {}
+
+
+def test_a_pool_name_with_a_dash_is_refused_where_pools_are_defined(capsys):
+    """Actor ids are ``<pool>-<job>_<task>``: a ``-`` in a pool name made ``cpu-big``'s actors
+    parse as pool ``cpu`` (drain) and ``scancel big-123_4`` (cancel)."""
+    with pytest.raises(conf.ConfigError, match=r"slurm.pools\[\].name.*'cpu-big'.*'_'"):
+        conf.load(["slurm.pools=[{name:cpu-big}]"])
+    assert slurm.main(["--dry-run", "slurm.pools=[{name:cpu-big}]"]) == 2
+    assert "slurm.pools[].name" in capsys.readouterr().err
+    from turnscale.scaling import PoolPolicy, ScalingConfigError
+    with pytest.raises(ScalingConfigError, match="cpu-big"):
+        PoolPolicy(name="cpu-big")
+
+
+def test_actor_ids_parse_to_their_own_pool_and_array_task(tmp_path):
+    calls = []
+    b = slurm.SlurmBackend(tmp_path, {"cpu": 2, "cpu_big": 2}, runner=lambda cmd: calls.append(list(cmd)) or "")
+    assert slurm.parse_actor_id("cpu_big-123_4") == ("cpu_big", "123_4")
+    b.drain("cpu_big-123_4")
+    assert b.pools == {"cpu": 2, "cpu_big": 1}
+    b.cancel("cpu_big-123_4")
+    assert calls[-1] == ["scancel", "123_4"]
+    for bad in ("cpu", "cpu-", "-1_2", "cpu-12", "cpu-1_2; rm", "a-b-1_2"):
+        with pytest.raises(ValueError, match="not an actor id of turnscale slurm"):
+            slurm.parse_actor_id(bad)
