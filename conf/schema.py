@@ -612,8 +612,9 @@ class PoolConfig:
     """Environment variables of this pool's actors (``ASCEND_RT_VISIBLE_DEVICES``)."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.name) and self.name.replace("_", "").replace("-", "").isalnum(), "slurm.pools[].name",
-                 "letters, digits, '-' and '_' only (it names files and jobs)")
+        _require(bool(self.name) and self.name.isascii() and self.name.replace("_", "").isalnum(), "slurm.pools[].name",
+                 f"{self.name!r}: letters, digits and '_' only (it names files and jobs, and actor ids are "
+                 "'<pool>-<job>_<task>': a '-' would make them ambiguous)")
         _require(0 <= self.min_actors <= self.max_actors, f"slurm.pools[{self.name}]", "needs 0 <= min_actors <= max_actors")
         _require(self.count >= 0 and self.cpus_per_task >= 1 and self.cost > 0, f"slurm.pools[{self.name}]",
                  "needs count >= 0, cpus_per_task >= 1, cost > 0")
