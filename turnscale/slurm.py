@@ -18,6 +18,11 @@ them (``--dry-run``: prints them and submits nothing):
   it (SIGTERM) once ``learner.done`` appears: a learner that was cancelled (it checkpoints
   and may be resumed, so it does not tell actors the run is over) leaves no actor behind.
 
+Before anything is written, the run's config and every pool's actor config (the run's
+overrides, then the pool's ``overrides``) are loaded through the schema (``pool_configs``):
+a key or value it refuses stops ``turnscale slurm`` (also ``--dry-run``) with exit 2, naming
+``slurm.pools[<pool>].overrides`` and the key.
+
 Each script forwards the job's SIGTERM (``scancel``) to its process and waits for it.
 
 Every job gets the Hydra overrides given on the command line (minus ``slurm.*``), so
@@ -95,12 +100,33 @@ class Scripts:
         return out
 
 
+def _job_overrides(overrides: Sequence[str]) -> list[str]:
+    """The command line's Hydra overrides every job gets: all but ``slurm.*``."""
+    return [o for o in overrides if not o.startswith(("slurm.", "slurm=", "+slurm"))]
+
+
+def pool_configs(cfg: Config, overrides: Sequence[str]) -> dict[str, Config]:
+    """Each pool's actors' config, loaded through the schema as the actor will load it (the
+    run's overrides, then the pool's ``overrides``, then ``actor.pool``): a key or value the
+    schema refuses raises ``conf.ConfigError`` naming ``slurm.pools[<pool>].overrides`` and the
+    key, here at generation rather than on the nodes once the actors start."""
+    from turnscale import conf
+
+    out = {}
+    for pool in cfg.slurm.pools:
+        try:
+            out[pool.name] = conf.load([*_job_overrides(overrides), *pool.overrides, f"actor.pool={pool.name}"])
+        except conf.ConfigError as exc:
+            raise conf.ConfigError(f"slurm.pools[{pool.name}].overrides {list(pool.overrides)}: {exc}") from None
+    return out
+
+
 def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     """Every sbatch script of the run (pure: no file written, nothing submitted)."""
     s: SlurmConfig = cfg.slurm
     run = os.path.abspath(s.dir)
     workdir = s.workdir or cwd or os.getcwd()
-    common = [o for o in overrides if not o.startswith(("slurm.", "slurm=", "+slurm"))]
+    common = _job_overrides(overrides)
     common.append(f"learner.dir={run}/learner")
     py = [s.python, "-m", "turnscale"]
     files: dict[str, str] = {}
@@ -253,6 +279,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     overrides = [a for a in args if a != "--dry-run"]
     try:
         cfg = conf.load(overrides)
+        pool_configs(cfg, overrides)
     except conf.ConfigError as exc:
         print(f"turnscale slurm: {exc}", file=sys.stderr)
         return 2

@@ -302,3 +302,18 @@ def test_actor_ids_parse_to_their_own_pool_and_array_task(tmp_path):
     for bad in ("cpu", "cpu-", "-1_2", "cpu-12", "cpu-1_2; rm", "a-b-1_2"):
         with pytest.raises(ValueError, match="not an actor id of turnscale slurm"):
             slurm.parse_actor_id(bad)
+
+
+def test_a_pool_override_the_schema_refuses_stops_generation_naming_the_pool_and_key(tmp_path, capsys):
+    """``engine.devicee=npu`` used to be accepted by ``turnscale slurm`` and found only when
+    the actors started on their nodes."""
+    pools = 'slurm.pools=[{name:cpu,count:1},{name:ascend,count:1,overrides:["engine.devicee=npu"]}]'
+    assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", pools]) == 2
+    err = capsys.readouterr().err
+    assert "slurm.pools[ascend].overrides" in err and "config key 'engine.devicee'" in err, err
+    bad_value = 'slurm.pools=[{name:cpu,overrides:["engine.max_batch=0"]}]'
+    assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", bad_value]) == 2
+    assert "config key 'engine.max_batch'" in capsys.readouterr().err
+    assert slurm.main([f"slurm.dir={tmp_path}/run", pools]) == 2 and not (tmp_path / "run").exists()  # nothing written
+    cfgs = slurm.pool_configs(conf.load([POOLS]), [POOLS])  # every pool's actors' config, as they will load it
+    assert cfgs["ascend"].engine.device == "npu" and cfgs["ascend"].actor.pool == "ascend" and cfgs["cpu"].engine.device == "cpu"
