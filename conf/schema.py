@@ -454,8 +454,7 @@ class LearnerConfig:
     its heartbeat runs loses its leases (``lease_ttl_s`` still ends them sooner if its
     heartbeats stop)."""
     max_message_mb: float = 64.0
-    """Largest control message (a trajectory group; frames added up) the learner reads;
-    msgpack headers are capped at 16 MiB, so decoding one cannot stall the loop long."""
+    """Largest control message (a trajectory group; frames added up) the learner reads."""
     max_abs_reward: float = 1e6
     """Largest magnitude of an episode's reward and of each turn's reward in a received
     group; a group past it is dropped as ``invalid`` at intake (its task re-issued).  Env
@@ -463,6 +462,19 @@ class LearnerConfig:
     within +-100 per step), so 1e6 refuses no legal reward while keeping the advantage
     statistics (squares, sums over a batch) far inside float32.  0: no bound (non-finite
     rewards are refused anyway)."""
+    max_header_mb: float = 0.0
+    """Largest msgpack header (frame 0) of a control message.  0: what a legal group
+    needs, with room: 64 bytes per token of ``algo.group_size * sampling.max_context_tokens``,
+    at least 1 MiB (1 MiB with the defaults; a default group's header is ~0.3 MB).  A header
+    decodes into Python objects (up to ~60x its size), so this bounds a decode's time and memory."""
+    max_frames: int = 1024
+    """Frames of one control message (a group is a header and a few data frames; at most
+    4 per episode without an arena).  Frames past it are dropped as they arrive and the
+    message is refused, never decoded."""
+    decode_queue: int = 8
+    """Large control messages (64 KiB and up: trajectory groups) waiting to be decoded off
+    the control loop, besides the one being decoded; one per connection.  Past either bound
+    a message is answered at once with a retryable ``ErrorReply(code="busy")``."""
     debug_step_delay_s: float = 0.0
     """Tests and benchmarks only: sleep this long before every optimizer step (a slow learner,
     to exercise admission control and backpressure).  0 in real runs."""
@@ -485,6 +497,9 @@ class LearnerConfig:
         _require(self.lease_progress_timeout_s > 0, "learner.lease_progress_timeout_s", "must be > 0")
         _require(self.max_message_mb > 0, "learner.max_message_mb", "must be > 0")
         _require(self.max_abs_reward >= 0, "learner.max_abs_reward", "must be >= 0 (0: no bound)")
+        _require(self.max_header_mb >= 0, "learner.max_header_mb", "must be >= 0 (0: derived from the group size and context)")
+        _require(self.max_frames >= 2, "learner.max_frames", "must be >= 2 (a header and a data frame)")
+        _require(self.decode_queue >= 0, "learner.decode_queue", "must be >= 0")
         _require(self.rank_timeout_s > 0, "learner.rank_timeout_s", "must be > 0")
         _require(self.transfer_dtype in FLOAT_DTYPES, "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 

@@ -2,10 +2,11 @@
 
 One trio nursery holds four named tasks under ``LearnerService.serve``:
 
-- ``control``: the ROUTER (``learner.port``).  Each request is decoded, handled and
-  answered before the next is read (handlers never await anything but the reply), so
-  lease state changes in arrival order.  A bad message is logged and answered with
-  ``ErrorReply``; nothing a client sends can crash the loop.
+- ``control``: the ROUTER (``learner.port``).  Small requests are decoded, handled and
+  answered before the next is read; large ones (groups) are checked and decoded off the
+  loop, a bounded number at a time, then handled on it (``_control_loop``).  Handlers
+  never await, so every state change is whole.  A bad message is logged and answered with
+  ``ErrorReply`` (texts clipped); nothing a client sends can crash or stall the loop.
 - ``announce``: re-publishes the current ``PolicyAnnouncement`` on PUB every
   ``announce_every_s`` so late subscribers catch it (PUB drops messages sent before a
   subscription exists).
@@ -74,8 +75,10 @@ is tested with fakes; ``learner.main`` wires the real ones.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -88,6 +91,7 @@ from turnscale.learner import relaytree
 from turnscale.learner.control import ControlHandler
 from turnscale.learner.leases import LeaseManager, Ready, reported_progress
 from turnscale.learner.runstate import RunState
+from turnscale.learner.screen import Screen, ScreenFailed, check_bounds
 from turnscale.learner.signal import SignalWatch
 from turnscale.learner.registry import ActorRegistry, short
 from turnscale.learner.metrics import NullLogger, StepMetrics, record_actor_stats, record_intake, record_train, record_trained
@@ -96,7 +100,7 @@ from turnscale.learner.tasks import TaskStream, parse_task_spec
 from turnscale.learner.trajlog import NullTrajectoryLog
 from turnscale.learner.validation import GroupLimits
 from turnscale.protocol import codec
-from turnscale.protocol.errors import ProtocolError, TransportError
+from turnscale.protocol.errors import ProtocolError, TooManyFrames, TransportError, clip
 from turnscale.protocol.messages import (
     ControlRequest,
     SCHEMA_VERSION,
@@ -120,6 +124,15 @@ from turnscale.protocol.transport import AsyncSocket, CurveKeys, SocketLimits, c
 
 log = logging.getLogger("turnscale.learner")
 
+
+INLINE_DECODE_BYTES = 64 << 10
+"""Control messages under this many bytes (frames added up) are decoded on the control loop
+itself (at most a few ms, whatever they hold); larger ones in a worker thread."""
+HEADER_BYTES_PER_TOKEN = 64
+"""Header bytes a legal group may use per token it can hold (measured: ~20 with inline
+arrays and 4.5 bytes of text per token); sets ``learner.max_header_mb``'s default."""
+TRIM_AFTER_HEADER_BYTES = 256 << 10
+"""After decoding a header at least this large, return freed heap to the OS (``_malloc_trim``)."""
 
 SUSPECT_HEARTBEATS = 2.5
 """A relay silent for this many heartbeat intervals is left out of other actors' sources."""
@@ -202,9 +215,8 @@ class LearnerService:
         """The batch taken out of ``buffer`` and not yet accounted for (waiting for the train
         lock, or training): ``checkpoint_extra`` counts it as untrained, so an acknowledged
         group is always trained, buffered, in hand or re-issued, whatever the moment of a stop."""
-        mb = int(lc.max_message_mb * (1 << 20))
-        self._limits = codec.Limits(max_message_bytes=mb, max_array_bytes=mb, max_header_bytes=min(mb, 16 << 20))
-        """Control-socket limits: a group is a few MB; a larger message is refused unread."""
+        self._limits = self._control_limits()
+        """Control-socket limits (``_control_limits``); a larger message is refused unread."""
         self.publishing = False
         """True while a publication is in progress: no leases are granted meanwhile."""
         self.manifest: WeightManifest | None = None
@@ -529,38 +541,168 @@ class LearnerService:
 
     # ------------------------------------------------------------------ control
     async def _control_loop(self, router: AsyncSocket) -> None:
-        while True:
-            frames = await router.recv_multipart()
-            try:
-                prefix, body = split_router_frames(frames)
-            except ProtocolError as exc:
-                log.warning("dropping unroutable message: %s", exc)
-                continue
-            self.actors.note_peer(prefix[0], body)  # the connection's CURVE key, for Hello (ids per key)
-            try:
-                msg = await self._decode(body)
-                reply = self.handle(msg, prefix[0])
-            except ProtocolError as exc:
-                log.warning("bad message: %s", exc)
-                reply = ErrorReply(code="bad_message", message=str(exc))
-            except Exception as exc:  # a handler bug: log it, answer, keep serving
-                log.exception("error handling a message")
-                reply = ErrorReply(code="internal", message=f"learner error ({type(exc).__name__}); see the learner log", retryable=True)
-            try:
-                await router.send_msg(reply, prefix=prefix)
-            except TransportError as exc:
-                log.warning("could not reply: %s", exc)
+        """Serve the control ROUTER: no message, however built, holds it up for long.
+
+        - A message of more than ``learner.max_frames`` frames is dropped while it is
+          received (never kept nor decoded) and answered ``bad_message``.
+        - A small message (under ``INLINE_DECODE_BYTES``: every ``Hello``, ``LeaseRequest``,
+          ``Heartbeat``) is decoded, handled and answered here, before the next is read.
+        - A larger one (a trajectory group) is queued to ``_decode_worker``, which has it
+          checked by a child process (``learner.screen``: a dense header holds the GIL
+          while it parses), decodes it in a worker thread if it passed, and handles and
+          answers it on the trio thread; the loop reads on meanwhile.  The queue is
+          bounded: at most ``learner.decode_queue`` messages wait besides the one being
+          decoded, and one per connection; a message past either bound is answered at
+          once with a retryable ``ErrorReply(code="busy")`` and dropped, so a flood from
+          one peer never queues unbounded work.
+
+        ``handle`` runs only on the trio thread and never awaits, so every state change is
+        whole and in the order messages are handled (a large message is handled once
+        decoded, after small ones that arrived later; an actor waits for each reply
+        before its next request, so its own requests stay in order)."""
+        send, recv = trio.open_memory_channel(self.cfg.learner.decode_queue)
+        waiting: set[bytes] = set()
+        """Connections with a large message queued or being decoded."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._decode_worker, router, recv, waiting, name="control-decode")
+            while True:
+                got = await self._receive(router)
+                if got is None:
+                    continue
+                prefix, body = got
+                if sum(len(f) for f in body) < INLINE_DECODE_BYTES:
+                    try:
+                        msg = self._decode_now(body)
+                    except ProtocolError as exc:
+                        msg = exc
+                    await self._send_reply(router, prefix, self._reply_to(msg, prefix[0]))
+                elif (refused := self._over_size(body)) is not None:  # refused unread, never queued
+                    await self._send_reply(router, prefix, self._reply_to(refused, prefix[0]))
+                elif prefix[0] in waiting:
+                    await self._send_reply(router, prefix, _busy("this connection already has a large message "
+                                                                 "waiting to be decoded"))
+                else:
+                    try:
+                        send.send_nowait((prefix, body))
+                    except trio.WouldBlock:
+                        await self._send_reply(router, prefix, _busy(f"{self.cfg.learner.decode_queue} large "
+                                                                     "messages are already waiting to be decoded"))
+                        continue
+                    waiting.add(prefix[0])
+                del got, body
+
+    async def _receive(self, router: AsyncSocket) -> tuple[list[bytes], list[Any]] | None:
+        """The next routable message as (reply prefix, message frames); None when it was
+        refused (too many frames: answered) or unroutable (dropped)."""
+        limit = self._limits.max_frames
+        try:
+            frames = await router.recv_multipart(max_frames=limit + 2)  # + identity and request id
+        except TooManyFrames as exc:
+            text = f"message has {exc.count - 2} frames, over the learner's limit of {limit} (learner.max_frames)"
+            log.warning("bad message: %s", text)
+            if len(exc.head) == 2:
+                await self._send_reply(router, exc.head, ErrorReply(code="bad_message", message=text))
+            return None
+        try:
+            got = split_router_frames(frames)
+        except ProtocolError as exc:
+            log.warning("dropping unroutable message: %s", clip(str(exc)))
+            return None
+        self.actors.note_peer(got[0][0], got[1])  # the connection's CURVE key, for Hello (ids per key)
+        return got
+
+    async def _decode_worker(self, router: AsyncSocket, recv: trio.MemoryReceiveChannel, waiting: set[bytes]) -> None:
+        """Check (child process), decode (worker thread), handle and answer (trio thread)
+        the queued large messages, one at a time (see ``_control_loop``).  A check that
+        fails to run is answered ``busy`` (retryable); the child is restarted for the next."""
+        screen = Screen(self._limits, self.cfg.learner.max_leases_per_actor)
+        try:
+            async for prefix, body in recv:
+                try:
+                    problem = await trio.to_thread.run_sync(screen.check, body, abandon_on_cancel=True)
+                    msg = ProtocolError(problem) if problem else await self._decode(body)
+                except ProtocolError as exc:
+                    msg = exc
+                except ScreenFailed as exc:
+                    log.warning("large message not checked: %s", exc)
+                    msg = None
+                del body  # the frames go as soon as the record holds what it needs
+                reply = _busy("its check failed") if msg is None else self._reply_to(msg, prefix[0])
+                del msg
+                waiting.discard(prefix[0])
+                await self._send_reply(router, prefix, reply)
+        finally:
+            screen.close()
+
+    def _reply_to(self, msg: Any, identity: bytes) -> Any:
+        """The reply to a decoded message, or to the ``ProtocolError`` its decoding raised.
+        Error texts are clipped (``protocol.errors.clip``) in replies and log lines alike."""
+        try:
+            if isinstance(msg, ProtocolError):
+                raise msg
+            return self.handle(msg, identity)
+        except ProtocolError as exc:
+            text = clip(str(exc))
+            log.warning("bad message: %s", text)
+            return ErrorReply(code="bad_message", message=text)
+        except Exception as exc:  # a handler bug: log it, answer, keep serving
+            log.error("error handling %s: %s\n%s", type(msg).__name__, clip(f"{type(exc).__name__}: {exc}"),
+                      "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+            return ErrorReply(code="internal", message=f"learner error ({type(exc).__name__}); see the learner log", retryable=True)
+
+    async def _send_reply(self, router: AsyncSocket, prefix: list[bytes], reply: Any) -> None:
+        try:
+            await router.send_msg(reply, prefix=prefix)
+        except TransportError as exc:
+            log.warning("could not reply: %s", clip(str(exc)))
 
     async def _decode(self, body: list[Any]) -> Any:
-        """Decode a control message within the control limits; a large one off the event
-        loop, so announcements, expiry and training bookkeeping keep running meanwhile."""
+        """Decode a large control message in a worker thread (``_decode_now`` there), so
+        the control loop answers others meanwhile; then hand freed heap back to the OS."""
+        return await trio.to_thread.run_sync(self._decode_then_trim, body)
+
+    def _decode_then_trim(self, body: list[Any]) -> Any:
+        """``_decode_now``; then, after a large header, ``_malloc_trim``."""
+        try:
+            return self._decode_now(body)
+        finally:
+            if len(body[0]) >= TRIM_AFTER_HEADER_BYTES:
+                _malloc_trim()
+
+    def _over_size(self, body: list[Any]) -> ProtocolError | None:
+        """The error for a message over the learner's byte limits (nothing decoded), or None."""
         size = sum(len(f) for f in body)
-        if size > self._limits.max_message_bytes:  # before any decoding
-            raise ProtocolError(f"message is {size} bytes, over the learner's limit of {self._limits.max_message_bytes} "
-                                f"(learner.max_message_mb)")
-        if size < (1 << 20):
-            return codec.decode(body, self._limits)
-        return await trio.to_thread.run_sync(codec.decode, body, self._limits)
+        if size > self._limits.max_message_bytes:
+            return ProtocolError(f"message is {size} bytes, over the learner's limit of {self._limits.max_message_bytes} "
+                                 f"(learner.max_message_mb)")
+        if len(body[0]) > self._limits.max_header_bytes:
+            return ProtocolError(f"header frame is {len(body[0])} bytes, over the learner's limit of "
+                                 f"{self._limits.max_header_bytes} (learner.max_header_mb)")
+        return None
+
+    def _decode_now(self, body: list[Any]) -> Any:
+        """Decode a control message within the control limits (``_control_limits``), then
+        check the learner's own bounds on it; ``ProtocolError`` when anything is over."""
+        refused = self._over_size(body)  # before any decoding
+        if refused is not None:
+            raise refused
+        msg = codec.decode(body, self._limits)
+        check_bounds(msg, self.cfg.learner.max_leases_per_actor)
+        return msg
+
+    def _control_limits(self) -> codec.Limits:
+        """Control-socket limits.  Messages up to ``learner.max_message_mb`` (a group is a
+        few MB of arrays); headers up to ``learner.max_header_mb`` or, when 0, what a legal
+        group needs with room to spare: ``HEADER_BYTES_PER_TOKEN`` per token the group can
+        hold (``algo.group_size * sampling.max_context_tokens``), at least 1 MiB.  A header
+        is what decoding expands into Python objects (up to ~60x its bytes), so its cap
+        bounds the memory and the time (GIL) one decode takes."""
+        lc = self.cfg.learner
+        mb = int(lc.max_message_mb * (1 << 20))
+        header = int(lc.max_header_mb * (1 << 20)) or max(
+            1 << 20, HEADER_BYTES_PER_TOKEN * self.cfg.algo.group_size * self.cfg.sampling.max_context_tokens)
+        return codec.Limits(max_message_bytes=mb, max_array_bytes=mb, max_header_bytes=min(mb, header),
+                            max_frames=lc.max_frames)
 
     def handle(self, msg: Any, identity: bytes = b"") -> Any:
         """Answer one decoded request from the connection ``identity`` (pure state change +
@@ -731,6 +873,36 @@ class LearnerService:
             self.metrics.add("rollout/trajlog_errors", 1, "sum")
             log.warning("trajectory log write failed for group %s: %s: %s", group.lease_id, type(exc).__name__, exc)
         return GroupAck(lease_id=group.lease_id, accepted=r.accepted, reason=r.reason)
+
+
+def _busy(why: str) -> ErrorReply:
+    return ErrorReply(code="busy", retryable=True,
+                      message=f"learner busy: {why}; send it again in a moment (learner.decode_queue)")
+
+
+def _malloc_trim(min_interval_s: float = 1.0) -> None:
+    """Hand the heap's free memory back to the OS (glibc ``malloc_trim``; a no-op
+    elsewhere), at most once per ``min_interval_s``.  A large header decodes into many
+    small objects; once they are freed, glibc keeps the pages unless asked, and RSS would
+    stay at a flood's peak.  (ctypes releases the GIL for the call.)"""
+    global _trimmed_at
+    now = time.monotonic()
+    if _LIBC is not None and now - _trimmed_at >= min_interval_s:
+        _trimmed_at = now
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+_trimmed_at = 0.0
 
 
 def _not_registered() -> ErrorReply:

@@ -86,6 +86,12 @@ class Limits:
     """Frame 0 (the msgpack part)."""
     max_items: int = 1 << 20
     """Elements in one list/map and characters in one string."""
+    max_frames: int = 1024
+    """Frames of one message (frame 0 and the data frames).  A trajectory group is a
+    header and a few data frames (``protocol.arena``); even without an arena each episode
+    adds at most one frame per array (4), so 1024 holds a group of 255 episodes.  Receivers
+    check it while receiving (``AsyncSocket.recv_multipart(max_frames=...)``), so a
+    message of many tiny frames is neither kept nor decoded; ``decode`` checks it first."""
 
 
 DEFAULT_LIMITS = Limits()
@@ -384,6 +390,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
 def _decode(frames: Sequence[Any], limits: Limits, expect: Any) -> Any:
     if not frames:
         raise ProtocolError("empty message: no frames")
+    if len(frames) > limits.max_frames:
+        raise ProtocolError(f"message has {len(frames)} frames, over the limit of {limits.max_frames}")
     bufs = [_buffer(f) for f in frames]
     total = sum(b.nbytes for b in bufs)
     if total > limits.max_message_bytes:
@@ -449,7 +457,8 @@ def _build(env: Any, bufs: list[memoryview], limits: Limits, expect: Any) -> Any
     obj = _build_root(cls, env["b"], ctx)
     if len(ctx.used) != len(bufs) - 1:
         unused = sorted(set(range(1, len(bufs))) - set(ctx.used))
-        raise ProtocolError(f"{cls.__name__}: frame(s) {unused} not referenced by any array field")
+        listed = ", ".join(map(str, unused[:8])) + (f", ... ({len(unused)} in all)" if len(unused) > 8 else "")
+        raise ProtocolError(f"{cls.__name__}: frame(s) [{listed}] not referenced by any array field")
     for idx, spans in ctx.used.items():
         if len(spans) > 1:
             spans.sort()

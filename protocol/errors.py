@@ -21,6 +21,21 @@ class ProtocolError(TurnscaleError, ValueError):
     """
 
 
+class TooManyFrames(ProtocolError):
+    """A multipart message has more frames than the receiver's limit.  Raised by
+    ``AsyncSocket.recv_multipart(max_frames=...)`` once the whole message has been taken
+    off the socket (frames past the limit are dropped as they arrive, never kept)."""
+
+    def __init__(self, message: str, head: list, count: int) -> None:
+        super().__init__(message)
+        self.head = head
+        """The first frames (at most ``HEAD_FRAMES``): a ROUTER's routing frames, to reply to."""
+        self.count = count
+        """How many frames the message had."""
+
+    HEAD_FRAMES = 2
+
+
 class TransportError(TurnscaleError):
     """A socket operation failed (peer gone, timed out, context closed)."""
 
@@ -37,6 +52,20 @@ class RemoteError(TurnscaleError):
         self.code = code
         self.message = message
         self.retryable = retryable
+
+
+MAX_ERROR_CHARS = 300
+"""Longest error text sent to a peer or written to a log line (``clip``)."""
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters, saying how much was cut: error
+    messages and logged exception texts can quote what a peer sent, and neither a reply
+    nor a log line may grow with it."""
+    if len(text) <= limit:
+        return text
+    tail = f"... [{len(text) - limit} more characters]"
+    return text[: max(0, limit - len(tail))] + tail
 
 
 RETRYABLE: tuple[type[BaseException], ...] = (PeerTimeout,)

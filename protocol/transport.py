@@ -31,9 +31,11 @@ import trio
 import zmq
 
 from turnscale.protocol import codec
-from turnscale.protocol.errors import PeerTimeout, RemoteError, TransportError
+from turnscale.protocol.errors import PeerTimeout, RemoteError, TooManyFrames, TransportError
 
 CHECKPOINT_EVERY = 16
+DRAIN_CHECKPOINT_FRAMES = 8192
+"""While dropping the frames of a message over ``max_frames``, yield to other tasks this often."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,8 @@ class AsyncSocket:
         self._lot = trio.lowlevel.ParkingLot()
         self._fast_ops = 0
         self._closed = False
+        self._draining = False
+        """A receive is dropping the frames of a message over its limit (``_recv_rest``)."""
 
     async def _wait(self, flag: int) -> None:
         while True:
@@ -149,21 +153,68 @@ class AsyncSocket:
             await self._after_success()
             return
 
-    async def recv_multipart(self, copy: bool = False) -> list[Any]:
-        """Receive one multipart message; if cancelled, nothing was taken off the socket."""
+    async def recv_multipart(self, copy: bool = False, max_frames: int | None = None) -> list[Any]:
+        """Receive one multipart message; if cancelled, nothing was taken off the socket.
+
+        With ``max_frames``, a message of more frames is taken off the socket whole (ZeroMQ
+        delivers messages atomically: the rest cannot be left behind) but its frames past
+        the limit are dropped as they arrive, never kept or decoded, and ``TooManyFrames``
+        is raised carrying the first frames (a ROUTER's routing frames, to reply to).
+        Dropping costs ~0.5 us per frame; every ``DRAIN_CHECKPOINT_FRAMES`` the task
+        yields (shielded: the message is taken whole) so other tasks run meanwhile."""
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self._closed:
                 raise TransportError("socket closed")
+            if self._draining:
+                await self._lot.park()
+                continue
             try:
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
+                if max_frames is None:
+                    frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
+                else:
+                    first = self.sock.recv(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 await self._wait(zmq.POLLIN)
                 continue
             except zmq.ZMQError as exc:
                 raise TransportError(f"recv failed: {exc}") from exc
+            if max_frames is not None:
+                frames = await self._recv_rest(first, copy, max_frames)
             await self._after_success()
             return frames
+
+    async def _recv_rest(self, first: zmq.Frame, copy: bool, max_frames: int) -> list[Any]:
+        """The frames of the message whose first frame is ``first``, at most ``max_frames``
+        of them kept (see ``recv_multipart``)."""
+        frames: list[Any] = [first]
+        more = first.more
+        recv = self.sock.recv
+        count = 1
+        try:
+            while more and count < max_frames:
+                frame = recv(zmq.NOBLOCK, copy=False)  # the message is complete: never Again
+                frames.append(frame)
+                more = frame.more
+                count += 1
+            if more:
+                self._draining = True  # other receivers wait: the rest of this message is ours
+                while more:  # over the limit: count and drop the rest as it is read
+                    more = recv(zmq.NOBLOCK, copy=False).more
+                    count += 1
+                    if count % DRAIN_CHECKPOINT_FRAMES == 0:
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+        except zmq.ZMQError as exc:
+            raise TransportError(f"recv failed: {exc}") from exc
+        finally:
+            if self._draining:
+                self._draining = False
+                self._lot.unpark_all()
+        if count > max_frames:
+            head = [f.bytes for f in frames[:TooManyFrames.HEAD_FRAMES]]
+            del frames
+            raise TooManyFrames(f"message has {count} frames, over the limit of {max_frames}", head, count)
+        return frames if not copy else [f.bytes for f in frames]
 
     async def send_msg(self, msg: Any, prefix: Sequence[bytes] = ()) -> None:
         """Encode and send a record, after optional routing frames (ROUTER identities)."""

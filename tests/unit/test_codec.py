@@ -416,3 +416,50 @@ def test_a_hello_from_schema_6_is_rejected_naming_both_versions():
     body = {"actor_id": "a", "host": "h", "pid": 1, "engine": "hf", "device": "cpu", "max_groups": 1, "schema_version": 6}
     with pytest.raises(ProtocolError, match=rf"schema version 6 != {m.SCHEMA_VERSION}; upgrade the older side"):
         codec.decode([env("Hello", body, v=6)])
+
+
+# ----------------------------------------------------------------------------- frame count and error size
+
+
+def test_decode_refuses_a_message_over_max_frames_before_reading_any_frame():
+    many = [*GOOD_CHUNK, *([b""] * 300_000)]
+    with pytest.raises(ProtocolError, match=r"message has 300002 frames, over the limit of 1024$"):
+        codec.decode(many)
+    assert codec.decode(GOOD_CHUNK, codec.Limits(max_frames=2)).index == codec.decode(GOOD_CHUNK).index
+    with pytest.raises(ProtocolError, match="over the limit of 1"):
+        codec.decode(GOOD_CHUNK, codec.Limits(max_frames=1))
+
+
+def test_unreferenced_frames_error_lists_a_few_and_the_count():
+    """The error text is sent to the peer and logged: it must not grow with the message."""
+    many = [*GOOD_CHUNK, *([b""] * 1000)]
+    with pytest.raises(ProtocolError) as info:
+        codec.decode(many, codec.Limits(max_frames=2000))
+    text = str(info.value)
+    assert re.search(r"frame\(s\) \[2, 3, 4, 5, 6, 7, 8, 9, \.\.\. \(1000 in all\)\] not referenced", text), text
+    assert len(text) < 200
+
+
+def test_a_legal_group_uses_few_frames_with_or_without_an_arena():
+    """``Limits.max_frames`` (1024) leaves room: a group's arrays travel in a few frames."""
+    from turnscale.protocol.arena import Arena
+    from dataclasses import replace
+
+    g = group()
+    big = [replace(ep, token_ids=np.zeros(40_000, np.int32), loss_mask=np.zeros(40_000, np.uint8),
+                   logprobs=np.zeros(40_000, np.float32), versions=np.zeros(40_000, np.int32), turns=[])
+           for ep in g.episodes]
+    plain = codec.encode(replace(g, episodes=big * 8))
+    assert len(plain) <= 4 * len(big) * 8 + 2 < codec.DEFAULT_LIMITS.max_frames
+    arena = Arena()
+    carved = [replace(ep, **{k: arena.array(getattr(ep, k), getattr(ep, k).dtype)
+                             for k in ("token_ids", "loss_mask", "logprobs", "versions")}) for ep in big * 8]
+    assert len(codec.encode(replace(g, episodes=carved))) <= 8
+
+
+def test_clip_bounds_error_text_and_says_what_was_cut():
+    from turnscale.protocol.errors import MAX_ERROR_CHARS, clip
+
+    assert clip("short") == "short"
+    cut = clip("x" * 2_300_000)
+    assert len(cut) == MAX_ERROR_CHARS and cut.endswith("... [2299700 more characters]")

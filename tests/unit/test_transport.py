@@ -519,3 +519,67 @@ def test_free_port_is_outside_the_ephemeral_range_and_never_handed_out_twice():
     assert not any(lo <= p <= hi for p in ports), (lo, hi, sorted(ports)[:5])
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))  # and it is free
+
+
+# ----------------------------------------------------------------------------- frame limit
+
+
+def test_a_message_over_max_frames_is_dropped_whole_and_the_next_one_arrives(ctx):
+    """The receiver keeps at most ``max_frames`` frames: the rest of a many-frame message
+    is taken off the socket and dropped (other tasks run meanwhile), ``TooManyFrames``
+    carries the routing frames to reply to, and the following messages are intact."""
+    from turnscale.protocol.errors import TooManyFrames
+
+    router, dealer = _inproc_pair(ctx, zmq.ROUTER, zmq.DEALER)
+    n = 50_000
+    dealer.send_multipart([b"rid-1", *([b""] * n)])
+    dealer.send_multipart([b"rid-2", b"at", b"the", b"limit"])
+    dealer.send_multipart([b"rid-3", b"small"])
+
+    async def main():
+        sock = AsyncSocket(router)
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0)
+            with pytest.raises(TooManyFrames) as info:
+                await sock.recv_multipart(max_frames=5)
+            assert info.value.count == n + 2  # identity, request id, n empty frames
+            assert info.value.head[1] == b"rid-1" and len(info.value.head) == 2
+            assert "over the limit of 5" in str(info.value)
+            assert ticks >= n // 8192 - 1  # the drop yielded to other tasks
+            at_limit = await sock.recv_multipart(max_frames=5)
+            assert [bytes(f) for f in at_limit[1:]] == [b"rid-2", b"at", b"the", b"limit"]
+            small = await sock.recv_multipart(copy=True, max_frames=5)
+            assert small[1:] == [b"rid-3", b"small"]
+            nursery.cancel_scope.cancel()
+        sock.close()
+
+    run(main)
+
+
+def test_a_receive_with_max_frames_waits_for_its_message_and_decodes_it(ctx):
+    a, b = _pair(ctx, zmq.DEALER, zmq.ROUTER)
+
+    async def main():
+        sa, sb = AsyncSocket(a), AsyncSocket(b)
+        async with trio.open_nursery() as nursery:
+            async def later():
+                await trio.sleep(0.05)
+                await sa.send_multipart([b"rid", *codec.encode(m.WeightChunkRequest(version=3, index=1))])
+
+            nursery.start_soon(later)
+            frames = await sb.recv_multipart(max_frames=4)
+        prefix, body = split_router_frames(frames)
+        assert prefix[1] == b"rid" and codec.decode(body, expect=m.WeightChunkRequest).version == 3
+        sa.close()
+        sb.close()
+
+    run(main)
