@@ -30,7 +30,9 @@ class TasksConfig:
     or a list of ints); ``conf.tasks`` parses them."""
 
     train: str = "0:1000"
+    """Tasks the learner leases for training."""
     test: str = "1000:1100"
+    """Held-out tasks (evaluations; never trained on)."""
     warmup: str = ""
     """Tasks for the SFT warm start (defaults to ``train``)."""
 
@@ -38,7 +40,7 @@ class TasksConfig:
 @dataclass(kw_only=True)
 class ServerLimits:
     """What one envhub server bounds, so that no client (buggy or hostile) can stall it,
-    exhaust its memory or act for another client.  README "Security and limits"."""
+    exhaust its memory or act for another client (docs/security.md)."""
 
     call_timeout_s: float = 60.0
     """Deadline of every env call (create, reset, step, observation, expert, hint, close).
@@ -98,6 +100,8 @@ class EnvConfig:
     host: str = "127.0.0.1"
     """Interface the server binds (clients connect here unless ``url`` is set)."""
     port: int = 8301
+    """TCP port the server listens on (each env family has its own default,
+    ``conf/env/*.yaml``)."""
     url: str = ""
     """Base URL clients use; empty means ``http://{host}:{port}``."""
     max_instances: int = 512
@@ -133,14 +137,24 @@ class TinyModelConfig:
     """The model ``turnscale run`` builds itself when ``model.path=tiny`` (no downloads here)."""
 
     architecture: str = "qwen2"
+    """Model family of the built model (a transformers config type, e.g. ``qwen2``)."""
     hidden_size: int = 128
+    """Width of the residual stream."""
     num_layers: int = 2
+    """Decoder layers."""
     num_heads: int = 4
+    """Attention heads (head_dim = ``hidden_size / num_heads``; vLLM's CPU attention needs
+    >= 32)."""
     num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 384
+    """Width of each MLP."""
     vocab_size: int = 2048
+    """Size of the byte-level BPE tokenizer trained for it (and of the embedding)."""
     max_position_embeddings: int = 4096
+    """Longest sequence the model takes (bounds the context a fitted recipe may use)."""
     seed: int = 0
+    """Seed of the weight initialisation."""
 
 
 @dataclass(kw_only=True)
@@ -164,10 +178,18 @@ class SamplingConfig:
     """Sent to every actor in ``Welcome``; see ``protocol.messages.SamplingParams``."""
 
     temperature: float = 1.0
+    """Sampling temperature (> 0)."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this (1:
+    off)."""
     top_k: int = 0
+    """Keep the k most likely tokens (0: off)."""
     max_new_tokens: int = 64
+    """Longest reply of one turn, in tokens."""
     max_context_tokens: int = 2048
+    """Longest episode (prompt, every turn and observation), in tokens; an episode that runs
+    out ends unsolved (``rollout/finish/context_limit``); groups longer than this are
+    refused by the learner."""
 
     def __post_init__(self) -> None:
         _require(self.temperature > 0, "sampling.temperature", "must be > 0")
@@ -180,12 +202,15 @@ class SimEngineConfig:
     """``engine=sim``: tokens after a delay from a cost model (benchmarks only)."""
 
     prefill_s_per_token: float = 2e-5
+    """Seconds per prompt token of the requests joining a decoding step."""
     decode_s_per_step: float = 5e-3
     """Seconds per decoding step of the whole batch."""
     mean_new_tokens: int = 24
+    """Mean length of a short turn (geometric), in tokens."""
     long_tail: float = 0.2
     """Probability a turn is long (``max_new_tokens``)."""
     seed: int = 0
+    """Seed of the sampled lengths."""
 
 
 @dataclass(kw_only=True)
@@ -214,7 +239,9 @@ class EngineConfig:
     name: str = "hf"
     """``hf`` (transformers, any device), ``vllm`` (CUDA / Ascend / CPU) or ``sim``."""
     device: str = "cpu"
+    """Where the engine runs: ``cpu``, ``cuda``, ``npu`` (Ascend)."""
     dtype: str = "float32"
+    """Engine compute dtype (``float32``, ``bfloat16``, ``float16``)."""
     max_batch: int = 32
     """Most sequences decoded together."""
     update_mode: str = "between_turns"
@@ -245,7 +272,9 @@ class PPOLossConfig:
     seq_mask: bool = False
     """Drop whole sequences whose geometric-mean behaviour weight leaves [seq_mask_low, seq_mask_high]."""
     seq_mask_low: float = 0.5
+    """Lower bound of the kept range for ``seq_mask``."""
     seq_mask_high: float = 2.0
+    """Upper bound of the kept range for ``seq_mask``."""
     kl_coef: float = 0.0
     """Weight of KL to the frozen reference (``low_var_kl``; needs ``ref_logprobs_BT``); 0 loads no reference."""
     entropy_coef: float = 0.0
@@ -260,16 +289,25 @@ class AlgoConfig(PPOLossConfig):
     name: str = "grpo"
     """``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``ppo`` (GAE + value head) or ``sft``."""
     group_size: int = 8
+    """Episodes per task in a group (a lease asks for one group; GRPO's G)."""
     lr: float = 1e-6
+    """Adam learning rate (``turnscale run``'s recipe: 1e-4)."""
     lr_schedule: str = "constant"
     """``constant`` or ``cosine`` (after warm-up)."""
     warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam's (beta1, beta2)."""
     grad_clip: float = 1.0
+    """Global gradient-norm clip (0: none)."""
     gamma: float = 1.0
+    """Discount of per-turn rewards (``reinforce_pp``'s returns, ``ppo``'s GAE)."""
     lam: float = 1.0
+    """GAE lambda (``ppo``)."""
     value_coef: float = 0.5
+    """Weight of the value head's loss (``ppo``)."""
     micro_batch_tokens: int = 8192
     """Token budget per micro-batch: real tokens with ``packing=varlen``, padded positions
     (rows x longest) with ``padded``."""
@@ -310,7 +348,10 @@ class ScheduleConfig:
     """ScalingInter-RL: ``turns[i]`` is in force from step ``i * every``; one entry = fixed."""
 
     turns: list[int] = field(default_factory=lambda: [10])
+    """Turn limits of the stages (``[10]``: one fixed limit; ``[3, 5, 8]``: ScalingInter-
+    RL)."""
     every: int = 100
+    """Steps per stage: ``turns[i]`` applies from step ``i * every``."""
 
     def __post_init__(self) -> None:
         _require(len(self.turns) > 0 and all(t > 0 for t in self.turns), "schedule.turns", "a non-empty list of positive turn limits")
@@ -320,9 +361,13 @@ class ScheduleConfig:
 @dataclass(kw_only=True)
 class LoggerConfig:
     jsonl: bool = True
+    """Write ``metrics.jsonl`` in the learner's ``dir``."""
     tensorboard: bool = True
+    """Write TensorBoard logs under ``<learner.dir>/tb``."""
     wandb: bool = False
+    """Log to Weights & Biases (needs the ``wandb`` package and a login)."""
     wandb_project: str = "turnscale"
+    """The W&B project name."""
     console_every_s: float = 5.0
     """Seconds between progress lines."""
 
@@ -341,7 +386,7 @@ def _curve_mode(value: object, key: str) -> str:
 @dataclass(kw_only=True)
 class LearnerCurveConfig:
     """ZeroMQ CURVE (authentication + encryption) on the learner's three sockets.
-    Keys: ``turnscale keys DIR`` (README "Security and limits")."""
+    Keys: ``turnscale keys DIR`` (docs/cluster.md, "CURVE between actors and the learner")."""
 
     enabled: str = "auto"
     """``auto``: on when ``learner.host`` is not a loopback address (127.0.0.0/8, ::1,
@@ -411,29 +456,48 @@ class LearnerConfig:
     weights_port: int = 5557
     """ROUTER for weight chunks (own thread)."""
     device: str = "cpu"
+    """Where the learner trains: ``cpu``, ``cuda``, ``npu``."""
     groups_per_step: int = 4
+    """Groups (of ``algo.group_size`` episodes) per optimizer step."""
     max_staleness: int = 1
     """0: synchronous on-policy training through the same code."""
     publish_every: int = 1
+    """Publish new weights every this many steps (one policy version covers that many
+    steps)."""
     transfer_dtype: str = "float32"
+    """Dtype of published weights on the wire and in shared memory (``float32``,
+    ``bfloat16``, ``float16``)."""
     chunk_mb: float = 32.0
+    """Size of one weight chunk (each is checksummed and pulled on its own), in MiB."""
     weights_shm: bool = True
     """Keep published weights in shared-memory segments (memfds, ``protocol/shmweights.py``)
     and announce them: actors on this host copy them from there instead of pulling over
     TCP (``actor.weights_shm``).  Costs nothing extra: the buffers the TCP path serves
     from are the segments."""
     lease_ttl_s: float = 120.0
+    """A lease expires this long after the last heartbeat naming it (its actor died or lost
+    it); its task is re-issued."""
     heartbeat_interval_s: float = 5.0
+    """How often actors heartbeat (sent in ``Welcome``); an actor silent for 3 intervals
+    (and ``lease_ttl_s``) is forgotten."""
     steps: int = 100
+    """Optimizer steps to train; the learner exits after the last (and its checkpoint)."""
     seed: int = 0
+    """Seed of the task order and of the trainer."""
     dir: str = "runs/learner"
     """Checkpoints, metrics and trajectories go here."""
     checkpoint_every: int = 50
+    """Write a checkpoint every this many steps (and after the last)."""
     keep_checkpoints: int = 2
+    """Checkpoints kept; older ones are deleted."""
     resume: bool = False
+    """Continue from the newest checkpoint in ``dir`` (step, version, task cursor,
+    leases)."""
     init_from: str = ""
     """Start from this checkpoint/model folder instead of ``model.path`` weights (e.g. after SFT)."""
     save_trajectories: bool = True
+    """Write every trained group's episodes to ``trajectories.jsonl`` (``turnscale view``
+    reads it)."""
     sft_data: str = ""
     """``algo=sft``: conversations JSONL to train on offline (``learner/sft_data.py``); no actors."""
     max_actors: int = 4096
@@ -507,7 +571,10 @@ class LearnerConfig:
 @dataclass(kw_only=True)
 class ActorConfig:
     learner_host: str = "127.0.0.1"
+    """Address of the learner (its ``learner.host``, as this actor reaches it)."""
     learner_port: int = 5555
+    """The learner's control port (``learner.port``); the announcement and weight ports come
+    in ``Welcome``."""
     max_groups: int = 2
     """Leases run at once."""
     actor_id: str = ""
@@ -516,7 +583,11 @@ class ActorConfig:
     """The pool this actor belongs to (``Hello.pool``): a named kind of hardware with its own
     engine settings (``nvidia``, ``ascend``, ``cpu``); metrics and scaling are split by it."""
     request_timeout_s: float = 30.0
+    """Longest wait for the learner's answer to one request; past it the actor treats the
+    learner as lost and reconnects."""
     reconnect_max_backoff_s: float = 10.0
+    """Cap of the exponential backoff between ``Hello`` attempts while the learner is
+    unreachable."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
     stop_timeout_s: float = 3.0
@@ -577,7 +648,9 @@ class WarmStartConfig:
     steps: int = 40
     """SFT steps (0 skips the warm start); stopped early on purpose, so RL has room."""
     lr: float = 3e-3
+    """Learning rate of the SFT warm start."""
     batch_episodes: int = 16
+    """Conversations per SFT step."""
     rounds: int = 1
     """With ``run.adapt``: up to this many SFT rounds, round k training ``steps * 2**(k-1)``
     more steps (``recipe.round_steps``), stopping once a probe
@@ -610,6 +683,7 @@ class PoolConfig:
     count: int = 1
     """Actors (array tasks) submitted at start."""
     min_actors: int = 0
+    """Fewest actors the scaling controller keeps in this pool."""
     max_actors: int = 8
     """Bounds for the scaling controller."""
     cost: float = 1.0
@@ -619,6 +693,7 @@ class PoolConfig:
     partition: str = ""
     """``sbatch -p`` (empty: ``slurm.partition``)."""
     cpus_per_task: int = 2
+    """``sbatch --cpus-per-task`` of each actor."""
     gres: str = ""
     """``sbatch --gres`` (e.g. ``gpu:1``, ``npu:1``)."""
     overrides: list[str] = field(default_factory=list)
@@ -648,12 +723,17 @@ class SlurmConfig:
     workdir: str = ""
     """``cd`` here before starting (empty: the folder ``turnscale slurm`` ran in)."""
     partition: str = ""
+    """``sbatch -p`` for every job (empty: the cluster's default)."""
     account: str = ""
+    """``sbatch -A`` for every job (empty: none)."""
     time: str = ""
     """``sbatch --time`` for every job (empty: the partition's default)."""
     learner_constraint: str = ""
+    """``sbatch -C`` of the learner job (node features)."""
     learner_gres: str = ""
+    """``sbatch --gres`` of the learner job (e.g. ``gpu:1``)."""
     learner_cpus: int = 4
+    """``sbatch --cpus-per-task`` of the learner job."""
     learner_ranks: int = 1
     """Ranks of the learner job (one node): above 1 the job runs ``torchrun --standalone
     --nproc_per_node=<ranks> -m turnscale learner`` (``learner/ranks.py``: rank 0 serves,
@@ -662,9 +742,12 @@ class SlurmConfig:
     env_url: str = ""
     """An external env server (e.g. AgentGym's); empty: an envhub job is submitted."""
     envhub_cpus: int = 2
+    """``sbatch --cpus-per-task`` of the envhub job."""
     wait_s: int = 600
     """How long an actor job waits for the learner's (and envhub's) address file."""
     pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig()])
+    """Actor pools, one job array each (``PoolConfig``); on the command line
+    ``'slurm.pools=[{name:cpu,count:4}]'``."""
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.pools]
@@ -678,7 +761,10 @@ class RunConfig:
     """``turnscale run``: every process on one machine (``turnscale/launch.py``)."""
 
     dir: str = "runs/default"
+    """The run's folder: task lists, warm start, learner (checkpoints, metrics),
+    evaluations, ``summary.json`` and plots."""
     actors: int = 2
+    """Actor processes started on this machine."""
     warmup_seeds: str = "0:30"
     """Seeds (``a:b``) whose tasks the oracle plays for the warm start."""
     train_seeds: str = "30:1000"
@@ -698,7 +784,7 @@ class RunConfig:
     adapt_loss_agg: str = "seq_mean_token_mean"
     """``algo.loss_agg`` when the fit stretches the turn limits (empty: keep ``algo.loss_agg``).
     Long multi-turn failures outweigh short successes under a plain token mean; on a
-    KeyInBox mix stretched to 16 turns, token_mean collapsed (README, Measured)."""
+    KeyInBox mix stretched to 16 turns, token_mean collapsed (docs/results.md, "Other level mixes")."""
     timeout_s: float = 1800.0
     """The whole run is stopped (children by pid) after this long."""
     actor_python: str = ""

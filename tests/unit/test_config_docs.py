@@ -68,3 +68,10 @@ def test_check_mode_names_the_command_when_the_page_is_stale(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 1 and "python -m turnscale.conf.docs" in r.stderr, r.stderr
     assert stale.read_text(encoding="utf-8") == "old\n", "--check must not write"
+
+
+def test_every_config_key_has_a_docstring(page: str):
+    """Every key's meaning is written beside it in conf/schema.py (an attribute docstring)."""
+    undocumented = [line.split("|")[1].strip() for line in page.splitlines()
+                    if line.startswith("| `") and line.rstrip().endswith("|  |")]
+    assert not undocumented, f"add a docstring below each of these fields in conf/schema.py: {', '.join(undocumented)}"
