@@ -28,7 +28,7 @@ from turnscale.protocol.transport import CurveKeys
 
 log = logging.getLogger("turnscale.curve")
 
-KEYS_HINT = "make keys with `turnscale keys DIR` (README, \"Security and limits\")"
+KEYS_HINT = "make keys with `turnscale keys DIR` (docs/cluster.md, \"CURVE between actors and the learner\")"
 
 
 class CurveConfigError(ConfigError):

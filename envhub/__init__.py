@@ -4,7 +4,7 @@
 - ``server`` (+ ``instances``): ``create_app(family, cfg)``, the HTTP server of one family.
 - ``workers``: env calls in worker threads under a deadline; ``bodies``: request bodies and
   JSON responses within the limits; ``httpserver``: uvicorn with connection, header and
-  keep-alive limits (README "Security and limits").
+  keep-alive limits (docs/security.md).
 - ``main``: ``turnscale envhub env=<name> host=... port=...`` / ``python -m turnscale.envhub``.
 - The async client of this HTTP API is ``common.envclient`` (the shared layer: actors use it).
 - ``registry``: env name -> family factory; one module per family (``babyai``, ...).

@@ -69,7 +69,7 @@ broken).  No stack trace is ever sent; the server logs it.  On AgentGym's face t
 errors about an instance or the env are HTTP 200 with ``{"error", "error_code"}``; errors
 about the request itself (408, 413, 422, 405, 404 route) keep their status.
 
-Limits (``env.limits``, README "Security and limits"): bodies are size- and time-bounded
+Limits (``env.limits``, docs/security.md): bodies are size- and time-bounded
 while they are read and must be shallow, small (``max_json_values``), valid-Unicode JSON,
 measured before they are decoded (``envhub.bodies``); every env call has a deadline
 (``envhub.workers``).  Quotas are per peer IP address (``client_key``; the optional
