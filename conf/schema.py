@@ -446,6 +446,27 @@ class RelayConfig:
 
 
 @dataclass(kw_only=True)
+class FsdpConfig:
+    """Mixed precision of the sharded learner (``learner.strategy=fsdp``; torch FSDP2's
+    ``MixedPrecisionPolicy``).  The sharded parameters and the optimizer state stay float32."""
+
+    param_dtype: str = "auto"
+    """Dtype of the gathered parameters the forward and backward compute in: ``auto`` is
+    ``bfloat16`` on cuda/npu and ``float32`` on cpu; or ``float32``, ``bfloat16``, ``float16``."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter across ranks."""
+
+    def __post_init__(self) -> None:
+        _require(self.param_dtype == "auto" or self.param_dtype in FLOAT_DTYPES, "learner.fsdp.param_dtype",
+                 f"{self.param_dtype!r}: choose auto, {', '.join(FLOAT_DTYPES)}")
+        _require(self.reduce_dtype in FLOAT_DTYPES, "learner.fsdp.reduce_dtype",
+                 f"{self.reduce_dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+
+
+LEARNER_STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(kw_only=True)
 class LearnerConfig:
     host: str = "127.0.0.1"
     """Interface the learner binds; actors connect to it."""
@@ -545,6 +566,14 @@ class LearnerConfig:
     rank_timeout_s: float = 300.0
     """Several learner ranks (``torchrun``; ``learner/ranks.py``): longest wait of rank 0 for a
     follower rank to take its share of a step; past it rank 0 fails with ``RankError``."""
+    strategy: str = "ddp"
+    """Several learner ranks: ``ddp`` (every rank holds the whole model, its gradients and
+    optimizer state) or ``fsdp`` (torch FSDP2: parameters, gradients and optimizer state
+    sharded across ranks, per decoder layer; ``learner/fsdp.py``).  One rank: no sharding."""
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (less memory, about a third more compute); either strategy."""
     curve: LearnerCurveConfig = field(default_factory=LearnerCurveConfig)
     """CURVE on the learner's sockets (on by default off loopback)."""
     relay: RelayConfig = field(default_factory=RelayConfig)
@@ -565,6 +594,8 @@ class LearnerConfig:
         _require(self.max_frames >= 2, "learner.max_frames", "must be >= 2 (a header and a data frame)")
         _require(self.decode_queue >= 0, "learner.decode_queue", "must be >= 0")
         _require(self.rank_timeout_s > 0, "learner.rank_timeout_s", "must be > 0")
+        _require(self.strategy in LEARNER_STRATEGIES, "learner.strategy",
+                 f"{self.strategy!r}: choose one of {', '.join(LEARNER_STRATEGIES)}")
         _require(self.transfer_dtype in FLOAT_DTYPES, "learner.transfer_dtype", f"{self.transfer_dtype!r} not supported")
 
 

@@ -22,6 +22,21 @@ crash never leaves a half-written ``step-*`` folder; ``latest`` ignores temp fol
 folders without ``meta.json``, which is written (and fsynced) last.  Older checkpoints
 beyond ``keep`` are removed after the rename.
 
+Sharded (``learner.strategy=fsdp``, ``save_sharded``): the trainer's part is instead::
+
+    sharded/                  torch.distributed.checkpoint: model (policy, value head) and
+                              optimizer state, each rank's shards, plus ``.metadata``
+    rng-<rank>.pt             each rank's RNG states
+    trainer_state.pt          scheduler, ``step``, ``strategy``, ``world_size`` (rank 0)
+    model/                    config.json + tokenizer files only (``export_hf`` adds weights)
+
+Every rank writes its files into rank 0's temp folder (storage every rank sees); the
+checkpoint's own collective (``dcp.save``) returns on rank 0 only after every rank's shards
+are written, and each rank writes its RNG file before it, so the rename that follows never
+publishes a folder with a rank's files missing.  Resuming reshards on load (DCP), so a
+checkpoint loads onto any number of ranks; each rank restores its own RNG file when there
+is one (rank 0's otherwise).
+
 Format 1 (before the trainer's part and the run's state were split) had the same files,
 but ``trainer_state.pt`` had no ``step``: ``load_trainer_state`` takes it from ``meta.json``
 then, so such checkpoints still resume.
@@ -216,6 +231,90 @@ def load_model_state(path: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(os.path.join(model_dir, f)))
+    return out
+
+
+def is_sharded(path: str) -> bool:
+    """Whether the checkpoint at ``path`` was written by ``save_sharded``."""
+    return os.path.isdir(os.path.join(path, "sharded"))
+
+
+def _container(modules: Mapping[str, Any]) -> Any:
+    from torch import nn
+
+    return nn.ModuleDict(dict(modules))
+
+
+def save_sharded(path: str, *, modules: Mapping[str, Any], optimizer: Any, trainer_state: Mapping[str, Any],
+                 model: Any = None, tokenizer: Any = None) -> None:
+    """This rank's part of a sharded checkpoint in ``path`` (see the module docstring); every
+    rank calls it with the same ``path``.  ``modules`` (name -> FSDP-sharded module) and
+    ``optimizer`` go through ``torch.distributed.checkpoint``; ``trainer_state`` (rank 0's:
+    scheduler, step), ``model``'s config and ``tokenizer`` are written by rank 0."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save(capture_rng(), os.path.join(path, f"rng-{rank}.pt"))
+    if rank == 0:
+        torch.save({**trainer_state, "rng": capture_rng(), "strategy": "fsdp", "world_size": world},
+                   os.path.join(path, "trainer_state.pt"))
+        if model is not None:
+            model.config.save_pretrained(os.path.join(path, "model"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(path, "model"))
+    model_sd, optim_sd = get_state_dict(_container(modules), optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(path, "sharded"))
+
+
+def load_sharded(path: str, *, modules: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
+    """Load a sharded checkpoint into ``modules`` and ``optimizer`` on every rank (a
+    collective; any number of ranks), restore this rank's RNG; returns ``trainer_state.pt``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    state = load_trainer_state(path)
+    container = _container(modules)
+    model_sd, optim_sd = get_state_dict(container, optimizer)
+    both = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        dcp.load(both, checkpoint_id=os.path.join(path, "sharded"))
+    except Exception as exc:  # DCP raises CheckpointException / RuntimeError naming the key
+        raise CheckpointError(f"{path}: the sharded checkpoint does not fit this model and optimizer "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from exc
+    set_state_dict(container, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
+    own = os.path.join(path, f"rng-{dist.get_rank()}.pt")
+    rng = torch.load(own, map_location="cpu", weights_only=True) if os.path.isfile(own) else state["rng"]
+    restore_rng(rng)
+    return state
+
+
+def export_hf(path: str, out: str, *, dtype: str = "float32") -> str:
+    """The policy of the checkpoint at ``path`` as an HF model folder ``out`` (safetensors,
+    config, tokenizer), in one process without torch.distributed: a sharded checkpoint is
+    gathered from its shards (DCP resharding onto one full copy), a replicated one copied
+    from ``model/``.  Returns ``out``."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from turnscale.protocol.dtypes import float_torch_dtype
+
+    load_meta(path)  # complete checkpoints only
+    model_dir = os.path.join(path, "model")
+    config = AutoConfig.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if is_sharded(path):
+        sd = {f"policy.{k}": v for k, v in model.state_dict().items()}
+        dcp.load({"model": sd}, checkpoint_id=os.path.join(path, "sharded"), no_dist=True)
+    else:
+        model.load_state_dict(load_model_state(path), strict=False)
+    model.to(float_torch_dtype(dtype, "export dtype")).save_pretrained(out)
+    try:
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    except (OSError, ValueError, TypeError):
+        pass  # a bare model (tests) has no tokenizer
     return out
 
 

@@ -2,10 +2,13 @@
 
 Rank 0 runs the whole learner service (``learner.service``: sockets, leases, validation,
 staleness, weight publication, checkpoints, metrics) with a ``RankedTrainer`` in place of
-its ``Trainer``; ranks 1..K-1 (followers) run only a ``Trainer`` in ``follow``.  Every rank
-holds a full replica of the model under DDP (``accelerate``): rank 0 alone publishes
-weights and writes checkpoints, which need no collective under DDP (FSDP and DeepSpeed,
-whose state dicts are gathered by every rank, are refused with a clear error).
+its ``Trainer``; ranks 1..K-1 (followers) run only a ``Trainer`` in ``follow``.  Under
+``learner.strategy=ddp`` every rank holds a full replica of the model (``accelerate``):
+rank 0 alone publishes weights and writes checkpoints, which need no collective.  Under
+``fsdp`` (``learner.fsdp``) each rank holds a shard of every parameter, gradient and
+optimizer state: the step is the same share protocol (FSDP's reduce-scatter takes the place
+of DDP's all-reduce), and rank 0 starts publication and checkpoints on every rank with
+``RankCollective`` (below).  accelerate's own FSDP and DeepSpeed are refused with a clear error.
 
 Rank 0 talks to the followers over ``RankChannel``: protocol records encoded by
 ``protocol.codec`` into one frame, sent over torch.distributed on a gloo group of its own
@@ -21,7 +24,14 @@ as a length (``[1] int64``) then the bytes (``[n] uint8``) — never pickle.  Th
    invariant of equal forward/backward counts holds whatever the shares), then one
    all-reduce on the channel group sums each group's behaviour-gap sums into rank 0's
    ``last_group_gaps`` (per-pool metrics over the whole batch);
-4. ``RankStop(reason)`` when rank 0's service ends, normally or not; followers exit.
+4. ``fsdp`` only, between steps: ``RankCollective(kind="publish")`` when the service
+   publishes: every rank gathers the weights one tensor at a time in state-dict order
+   (``fsdp.gathered_state``) while rank 0 writes each into the publication buffer as it
+   arrives (``RankedTrainer.state_dict_for_publish``: a lazy mapping, gathered as the
+   publisher reads it; no second full copy); ``RankCollective(kind="checkpoint", path)``
+   when it checkpoints: every rank writes its shards into rank 0's temp folder
+   (``checkpoint.save_sharded``);
+5. ``RankStop(reason)`` when rank 0's service ends, normally or not; followers exit.
    Followers ignore SIGTERM (``learner.main``): on ``scancel`` torchrun passes it to every
    rank, rank 0 finishes its step, checkpoints and sends ``RankStop``; torchrun SIGKILLs
    whatever is left after its grace period.
@@ -47,7 +57,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +65,8 @@ import torch
 from turnscale.learner.poolgap import GroupGap
 from turnscale.protocol import codec
 from turnscale.protocol.errors import TurnscaleError
-from turnscale.protocol.messages import RankPing, RankResume, RankShare, RankStart, RankStop, TrajectoryGroup
+from turnscale.protocol.messages import (RankCollective, RankPing, RankResume, RankShare, RankStart, RankStop,
+                                         TrajectoryGroup)
 
 log = logging.getLogger("turnscale.learner")
 
@@ -123,7 +134,8 @@ class RankChannel:
                             f"(learner.max_message_mb)")
         data = torch.empty(size, dtype=torch.uint8)
         dist.recv(data, 0, group=self.group)
-        return codec.decode([data.numpy().tobytes()], self.limits, expect=(RankStart, RankResume, RankShare, RankStop, RankPing))
+        return codec.decode([data.numpy().tobytes()], self.limits,
+                            expect=(RankStart, RankResume, RankShare, RankStop, RankPing, RankCollective))
 
     def broadcast(self, msg: Any) -> None:
         """Rank 0: ``msg`` to every follower."""
@@ -197,7 +209,7 @@ class RankedTrainer:
     def __init__(self, trainer: Any, channel: RankChannel, timeout_s: float) -> None:
         kind = str(trainer.accelerator.distributed_type).upper()
         if "FSDP" in kind or "DEEPSPEED" in kind:
-            raise RankError(f"a multi-rank learner needs replicated weights (DDP); accelerate runs {kind}. "
+            raise RankError(f"accelerate runs {kind}; the learner shards with learner.strategy=fsdp itself. "
                             f"Launch with torchrun (or accelerate launch without FSDP/DeepSpeed).")
         self.trainer, self.channel = trainer, channel
         self.last_group_gaps: list[GroupGap] = []
@@ -243,6 +255,65 @@ class RankedTrainer:
             self._last_sent = time.monotonic()
         out["perf/learner_ranks"] = float(self.channel.world)
         return out
+
+    def state_dict_for_publish(self, dtype: str, *, copy: bool = True) -> Mapping[str, torch.Tensor]:
+        """Replicated: rank 0's state dict (no collective).  Sharded: a ``GatheredState`` that
+        gathers on every rank as it is read (read it at once, to the end; one reading)."""
+        if not getattr(self.trainer, "sharded", False):
+            return self.trainer.state_dict_for_publish(dtype, copy=copy)
+        return GatheredState(self, dtype)
+
+    def state_writer(self) -> Any:
+        """Replicated: rank 0's writer.  Sharded: ``write(dir)`` that has every rank write its
+        shards into ``dir`` (``RankCollective(kind="checkpoint")``) and writes rank 0's."""
+        if not getattr(self.trainer, "sharded", False):
+            return self.trainer.state_writer()
+        own = self.trainer.state_writer()
+
+        def write(path: str) -> None:
+            with self._lock:
+                self._check()
+                self.channel.broadcast(RankCollective(kind="checkpoint", step=self.trainer.step, path=path))
+                self._collective("writing a checkpoint", own, path)
+                self._last_sent = time.monotonic()
+        return write
+
+    def gather(self, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Sharded: ``(name, whole tensor)`` in state-dict order, gathered with every rank
+        (``RankCollective(kind="publish")``); the channel is held until the last one.  Stopped
+        early, it still runs the remaining gathers (discarding them): the followers run them all."""
+        from turnscale.learner import fsdp
+
+        with self._lock:
+            self._check()
+            self.channel.broadcast(RankCollective(kind="publish", step=self.trainer.step, dtype=dtype))
+            items = fsdp.gathered_state(self.trainer.model, dtype)
+            try:
+                while True:
+                    try:
+                        item = self._collective("gathering the weights", next, items, None)
+                    except BaseException:
+                        items.close()
+                        raise
+                    if item is None:
+                        return
+                    try:
+                        yield item
+                    except GeneratorExit:
+                        for _ in items:  # keep in step with the followers
+                            pass
+                        raise
+            finally:
+                self._last_sent = time.monotonic()
+
+    def _collective(self, doing: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a collective: a lost rank's error as ``RankError``."""
+        try:
+            return fn(*args)
+        except RuntimeError as exc:
+            if not _distributed_failure(exc):
+                raise
+            raise _lost(None, doing, exc) from exc
 
     def load_state(self, path: str) -> int:
         """Resume every rank from the checkpoint at ``path``."""
@@ -297,6 +368,34 @@ class RankedTrainer:
                 self._last_sent = time.monotonic()
 
 
+class GatheredState(Mapping[str, torch.Tensor]):
+    """The weights of a sharded (``fsdp``) learner as the weight publisher reads them:
+    ``items()``/``keys()``/``[name]`` give the whole tensors' names, shapes and dtypes without
+    gathering (``fsdp.state_shapes``: enough for ``protocol.weights.layout``); ``values()``
+    gathers them one at a time with every rank (``RankedTrainer.gather``), cast to ``dtype``
+    on CPU, so the publisher writes each into its buffer as it arrives and rank 0's extra
+    memory is one tensor.  Read ``values()`` once, to the end."""
+
+    def __init__(self, ranked: RankedTrainer, dtype: str) -> None:
+        from turnscale.learner import fsdp
+
+        self._ranked, self._dtype = ranked, dtype
+        self._shapes = dict(fsdp.state_shapes(ranked.trainer.model))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._shapes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def values(self) -> Iterator[torch.Tensor]:  # type: ignore[override]
+        for name, t in self._ranked.gather(self._dtype):
+            yield t
+
+
 def follow(cfg: Any, channel: RankChannel) -> int:
     """A follower rank: build the trainer ``RankStart`` names, then train each share until
     ``RankStop``; returns the exit code (0)."""
@@ -319,6 +418,8 @@ def follow(cfg: Any, channel: RankChannel) -> int:
         if isinstance(msg, RankResume):
             trainer.load_state(msg.path)
             log.info("learner rank %d resumed from %s at step %d", channel.rank, msg.path, trainer.step)
+        elif isinstance(msg, RankCollective):
+            _join_collective(trainer, msg, channel.rank)
         elif isinstance(msg, RankShare):
             if msg.step != trainer.step:
                 raise RankError(f"rank {channel.rank} is at step {trainer.step}, rank 0 at {msg.step}")
@@ -328,3 +429,20 @@ def follow(cfg: Any, channel: RankChannel) -> int:
                 log.warning("learner rank %d dropped group %d of step %d: %s", channel.rank, msg.indices[k], msg.step + 1, why)
         else:
             raise RankError(f"rank {channel.rank}: unexpected {type(msg).__name__}")
+
+
+def _join_collective(trainer: Any, msg: RankCollective, rank: int) -> None:
+    """A follower's part of rank 0's publication or checkpoint (sharded trainers only)."""
+    if not getattr(trainer, "sharded", False):
+        raise RankError(f"rank {rank}: RankCollective({msg.kind}) needs learner.strategy=fsdp on every rank")
+    if msg.step != trainer.step:
+        raise RankError(f"rank {rank} is at step {trainer.step}, rank 0 at {msg.step}")
+    if msg.kind == "publish":
+        from turnscale.learner import fsdp
+
+        for _ in fsdp.gathered_state(trainer.model, msg.dtype):
+            pass
+    elif msg.kind == "checkpoint":
+        trainer.state_writer()(msg.path)
+    else:
+        raise RankError(f"rank {rank}: unknown RankCollective kind {msg.kind!r}")

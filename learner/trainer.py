@@ -187,8 +187,10 @@ class Trainer:
         self.temperature = float(cfg.sampling.temperature)
         self.total_steps = int(total_steps if total_steps is not None else cfg.learner.steps)
         self.step = 0
-        self.accelerator = make_accelerator(cfg.learner.device, cfg.model.dtype)
+        self.accelerator = make_accelerator(cfg.learner.device, cfg.model.dtype if cfg.learner.strategy == "ddp" else "float32")
         self.device = self.accelerator.device
+        self.sharded = cfg.learner.strategy == "fsdp" and self.accelerator.num_processes > 1
+        """FSDP2 (``learner.fsdp``): parameters, gradients and optimizer state sharded over ranks."""
         set_seed(cfg.learner.seed)
 
         self.packing = cfg.algo.packing
@@ -197,15 +199,17 @@ class Trainer:
         if self.packing == "varlen":
             use_varlen_attention(model)
         model.train()
+        if cfg.learner.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = _load_tokenizer(model_path)
-        self.model = self.accelerator.prepare_model(model)
+        self.model = self._wrap(model)
         self.value_head: nn.Module | None = None
         if self.algo.name == "ppo":
             hidden = model.config.get_text_config().hidden_size
             head = nn.Linear(hidden, 1)
             nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden + 1))
             nn.init.zeros_(head.bias)
-            self.value_head = self.accelerator.prepare_model(head)
+            self.value_head = self._wrap(head)
         self.ref_model = None
         if self.algo.kl_coef > 0:
             ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -213,13 +217,13 @@ class Trainer:
             ref.requires_grad_(False).eval()
             if self.packing == "varlen":
                 use_varlen_attention(ref)
-            self.ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
+            self.ref_model = self._wrap(ref, evaluation_mode=True)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if self.value_head is not None:
             self.params += list(self.value_head.parameters())
         opt = torch.optim.AdamW(self.params, lr=self.algo.lr, betas=tuple(self.algo.betas), weight_decay=self.algo.weight_decay)
-        self.optimizer = self.accelerator.prepare_optimizer(opt)
+        self.optimizer = opt if self.sharded else self.accelerator.prepare_optimizer(opt)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, warmup=self.algo.warmup_steps, total=self.total_steps, kind=self.algo.lr_schedule)
         )
@@ -229,6 +233,16 @@ class Trainer:
         self.last_dropped: dict[int, str] = {}
         """Groups of the last ``train_step`` dropped for a non-finite value: index in the
         step's groups -> what was wrong (see the module docstring); none were trained."""
+
+    def _wrap(self, module: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
+        """``module`` on the device, sharded (``learner.fsdp``: per decoder layer, then the
+        root) or replicated by accelerate (DDP when there are several ranks)."""
+        if not self.sharded:
+            return self.accelerator.prepare_model(module, evaluation_mode=evaluation_mode)
+        from turnscale.learner import fsdp
+
+        lc = self.cfg.learner
+        return fsdp.shard(module.to(self.device), fsdp.mixed_precision(lc.fsdp, lc.device))
 
     # ------------------------------------------------------------------ public API
 
@@ -286,7 +300,7 @@ class Trainer:
         marked: dict[int, str] = {}
         for i, mb in enumerate(plan):
             sync = i == len(plan) - 1
-            with nullcontext() if sync else self.accelerator.no_sync(self.model):
+            with self._no_sync(sync):
                 if not mb:
                     self._pad_micro_batch()
                     continue
@@ -318,13 +332,13 @@ class Trainer:
         nll = 0.0
         for i, mb in enumerate(plan):
             sync = i == len(plan) - 1
-            with nullcontext() if sync else self.accelerator.no_sync(self.model):
+            with self._no_sync(sync):
                 if not mb:
                     self._pad_micro_batch()
                     continue
                 micro = self._collate([rows[j] for j in mb])
                 loss = sft_loss(logprobs_BT=self._token_logprobs(self.model, micro), mask_BT=micro.mask, num_tokens=num_tokens)
-                self.accelerator.backward(loss)
+                self._backward(loss)
                 nll += float(loss.detach())
         out = self._optimizer_step()
         out["loss/sft_nll"] = nll
@@ -336,6 +350,10 @@ class Trainer:
         on CPU, contiguous.  Gathers under FSDP (``accelerator.get_state_dict``; every rank
         must call it).  ``copy=True`` guarantees the tensors do not alias live parameters;
         ``copy=False`` may alias them (publish at once, before the next step)."""
+        if self.sharded:
+            from turnscale.learner import fsdp
+
+            return dict(fsdp.gathered_state(self.model, dtype))
         target = float_torch_dtype(dtype, "transfer dtype")
         sd = self.accelerator.get_state_dict(self.model)
         out = {}
@@ -350,7 +368,11 @@ class Trainer:
         and its optimizer-step counter ``step`` (no run state: ``learner.checkpoint.save``
         writes that beside it).  Gathers the full model, so call it on every rank; returns
         ``write(dir)`` on the main rank, None on the others.  The writer references the live
-        weights and optimizer state (no copies): run it before the next step."""
+        weights and optimizer state (no copies): run it before the next step.  Sharded
+        (``learner.fsdp``): ``write(dir)`` on every rank, which every rank must run
+        (``ckpt.save_sharded``)."""
+        if self.sharded:
+            return self._write_sharded
         model_state = self.accelerator.get_state_dict(self.model)
         modules = {}
         if self.value_head is not None:
@@ -366,7 +388,10 @@ class Trainer:
     def load_state(self, path: str) -> int:
         """Restore model, value head, optimizer, LR schedule, RNG and ``step`` from the complete
         checkpoint at ``path`` (``CheckpointError`` for an incomplete one); returns ``step``.
-        The run's state in the same folder is the checkpointer's to read."""
+        The run's state in the same folder is the checkpointer's to read.  A sharded checkpoint
+        (``ckpt.save_sharded``) loads on every rank at once (a collective)."""
+        if self.sharded or ckpt.is_sharded(path):
+            return self._load_sharded(path)
         state = ckpt.load_trainer_state(path)
         self._load_model_state(ckpt.load_model_state(path))
         modules = ckpt.load_modules(path)
@@ -377,6 +402,27 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
+        self.step = int(state["step"])
+        return self.step
+
+    def _checkpoint_modules(self) -> dict[str, nn.Module]:
+        """The trained modules of a sharded checkpoint, by name (``policy``, ``value_head``)."""
+        mods = {"policy": self.model}
+        if self.value_head is not None:
+            mods["value_head"] = self.value_head
+        return mods
+
+    def _write_sharded(self, path: str) -> None:
+        ckpt.save_sharded(path, modules=self._checkpoint_modules(), optimizer=self.optimizer,
+                          trainer_state={"scheduler": self.scheduler.state_dict(), "step": self.step},
+                          model=self.hf_model, tokenizer=self.tokenizer)
+
+    def _load_sharded(self, path: str) -> int:
+        if not self.sharded:
+            raise ckpt.CheckpointError(f"{path} is a sharded (learner.strategy=fsdp) checkpoint; resume it with "
+                                       f"learner.strategy=fsdp on several ranks, or export it first (turnscale export)")
+        state = ckpt.load_sharded(path, modules=self._checkpoint_modules(), optimizer=self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         return self.step
 
@@ -500,12 +546,31 @@ class Trainer:
                                     mu=np.zeros(1, dtype=np.float32), reward=0.0, truncated=False, group=0, index=0)])
         want_hidden = self.value_head is not None
         out, _, _ = self._run(self.model, micro, output_hidden_states=want_hidden)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # the proximal pass: the forwards a real micro-batch runs there
+            if want_hidden:
+                self.value_head(out.hidden_states[-1].float())
             return
         loss = out.logits.float().sum() * 0.0
         if want_hidden:
             loss = loss + self.value_head(out.hidden_states[-1].float()).sum() * 0.0
-        self.accelerator.backward(loss)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                self._run(self.ref_model, micro)
+        self._backward(loss)
+
+    def _no_sync(self, sync: bool) -> Any:
+        """Gradient accumulation across micro-batches: DDP all-reduces only on the last one
+        (``sync``); FSDP reduce-scatters every micro-batch's gradients into the shards (no
+        unsharded gradient is kept between micro-batches)."""
+        if sync or self.sharded:
+            return nullcontext()
+        return self.accelerator.no_sync(self.model)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.sharded:
+            loss.backward()  # mixed precision is FSDP's (learner.fsdp); no loss scaling
+        else:
+            self.accelerator.backward(loss)
 
     def _collate(self, rows: Sequence[_Row]) -> _Micro:
         d = self.device
@@ -599,7 +664,7 @@ class Trainer:
                                         "reference log-probs": ref, "entropy": ent})
         if not bad_B and not torch.isfinite(loss.detach()):
             bad_B = _nonfinite_loss_rows_B(inputs, len(rows))
-        self.accelerator.backward(loss)  # also when marked: every rank runs the same backwards
+        self._backward(loss)  # also when marked: every rank runs the same backwards
         return metrics, v, {rows[b].group: what for b, what in bad_B.items()}
 
     def _record_gaps(self, rows: Sequence[_Row], prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> None:
@@ -611,7 +676,13 @@ class Trainer:
 
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = self.accelerator.clip_grad_norm_(self.params, self.algo.grad_clip if self.algo.grad_clip > 0 else float("inf"))
+        max_norm = self.algo.grad_clip if self.algo.grad_clip > 0 else float("inf")
+        if self.sharded:
+            from turnscale.learner import fsdp
+
+            grad_norm = fsdp.clip_grad_norm_(self.params, max_norm)
+        else:
+            grad_norm = self.accelerator.clip_grad_norm_(self.params, max_norm)
         if not math.isfinite(float(grad_norm)):  # every rank sees the same (synchronised) norm
             self.optimizer.zero_grad(set_to_none=True)
             return {"train/nonfinite": 1.0, "loss/lr": float(lr)}

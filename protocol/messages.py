@@ -643,7 +643,8 @@ class LearnerStatus:
 # ----------------------------------------------------------------------------- learner ranks
 # Learner rank 0 -> each follower rank of a multi-rank learner (``learner.ranks``), as
 # codec bytes over torch.distributed (gloo): RankStart first, then RankResume (resuming
-# only), then one RankShare per optimizer step (RankPing while idle), then RankStop.
+# only), then one RankShare per optimizer step (RankPing while idle; RankCollective for an
+# FSDP learner's publication or checkpoint), then RankStop.
 
 
 @record
@@ -692,6 +693,24 @@ class RankPing:
 
 
 @record
+class RankCollective:
+    """Take part in a collective that rank 0 starts outside a step (``learner.strategy=fsdp``,
+    where every rank holds a shard): ``publish`` gathers the weights one tensor at a time,
+    in state-dict order, for rank 0 to publish; ``checkpoint`` writes this rank's shards.
+
+    Example: ``RankCollective(kind="checkpoint", step=4, path="/runs/r1/checkpoints/.tmp-step-4")``."""
+
+    kind: str
+    """``publish`` or ``checkpoint``."""
+    step: int
+    """Rank 0's optimizer steps so far (a follower at another step fails)."""
+    path: str = ""
+    """``checkpoint``: the folder the shards go into, on storage every rank sees."""
+    dtype: str = ""
+    """``publish``: the transfer dtype."""
+
+
+@record
 class RankStop:
     """The learner is done (or failed): the follower exits."""
 
@@ -715,6 +734,6 @@ Message = (
     Hello | Welcome | LeaseRequest | LeaseGrant | TrajectoryGroup | GroupAck | Heartbeat
     | HeartbeatAck | Goodbye | Shutdown | ErrorReply | PolicyAnnouncement
     | WeightChunkRequest | WeightChunk | ControlRequest | LearnerStatus
-    | RankStart | RankResume | RankShare | RankPing | RankStop
+    | RankStart | RankResume | RankShare | RankPing | RankCollective | RankStop
 )
 """Every top-level message (nested records like ``Episode`` travel only inside them)."""

@@ -102,6 +102,7 @@ def examples() -> dict[str, Any]:
         m.RankResume(path="/runs/r1/checkpoints/step-4"),
         m.RankShare(step=3, total_groups=4, indices=[1, 2], groups=[group(), group()]),
         m.RankPing(step=3),
+        m.RankCollective(kind="checkpoint", step=4, path="/runs/r1/checkpoints/.tmp-step-4"),
         m.RankStop(reason="done"),
         m.ErrorReply(code="bad_message", message="TrajectoryGroup.episodes[0].loss_mask: too long", retryable=False),
     ]

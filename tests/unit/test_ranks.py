@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from turnscale.benchmarks.synthetic import build_tiny_model, synthetic_groups
 from turnscale.conf.schema import Config
@@ -132,11 +133,85 @@ def test_rank_0_reports_a_collective_failure_as_a_lost_rank_and_other_errors_as_
         r.stop("error")
 
 
-def test_fsdp_is_refused_with_a_clear_error():
+def test_accelerates_own_fsdp_is_refused_with_a_clear_error():
     tr = _FakeTrainer()
     tr.accelerator.distributed_type = "DistributedType.FSDP"
-    with pytest.raises(RankError, match="replicated weights"):
+    with pytest.raises(RankError, match="learner.strategy=fsdp"):
         RankedTrainer(tr, _FakeChannel(), timeout_s=600)
+
+
+def test_learner_strategy_and_fsdp_dtypes_are_validated():
+    from turnscale.conf.schema import FsdpConfig, LearnerConfig
+
+    assert LearnerConfig().strategy == "ddp" and FsdpConfig().param_dtype == "auto"
+    with pytest.raises(ValueError, match="learner.strategy"):
+        LearnerConfig(strategy="zero3")
+    with pytest.raises(ValueError, match="learner.fsdp.param_dtype"):
+        FsdpConfig(param_dtype="int8")
+    with pytest.raises(ValueError, match="learner.fsdp.reduce_dtype"):
+        FsdpConfig(reduce_dtype="auto")
+    from turnscale.learner.fsdp import param_dtype
+
+    assert param_dtype("auto", "cpu") == torch.float32 and param_dtype("auto", "cuda:1") == torch.bfloat16
+
+
+class _ShardedFake(_FakeTrainer):
+    """A sharded trainer's surface: ``model`` (plain tensors gather to themselves) and a writer."""
+
+    sharded = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Linear(3, 2)
+        self.written: list[str] = []
+
+    def state_writer(self):
+        return self.written.append
+
+
+def test_sharded_publication_lays_out_without_gathering_then_gathers_with_every_rank_as_read():
+    from turnscale.protocol.messages import RankCollective
+    from turnscale.protocol.weights import layout
+
+    ch, tr = _FakeChannel(), _ShardedFake()
+    ranked = RankedTrainer(tr, ch, timeout_s=600)
+    try:
+        sd = ranked.state_dict_for_publish("bfloat16")
+        infos, total = layout(sd, "bfloat16")
+        assert [i.name for i in infos] == ["weight", "bias"] and total == 16 and ch.sent == []  # nothing gathered yet
+        values = list(sd.values())
+        assert ch.sent == [(1, RankCollective(kind="publish", step=0, dtype="bfloat16"))]
+        assert [v.dtype for v in values] == [torch.bfloat16] * 2
+        assert torch.equal(values[0], tr.model.weight.detach().to(torch.bfloat16))
+        ranked.state_writer()("/ckpt/.tmp-step-1")
+        assert ch.sent[-1] == (1, RankCollective(kind="checkpoint", step=0, path="/ckpt/.tmp-step-1"))
+        assert tr.written == ["/ckpt/.tmp-step-1"]
+    finally:
+        ranked.stop("done")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_pad_micro_batch_runs_the_forwards_of_a_real_micro_batch(tmp_path, grad):
+    """Under FSDP every forward of a sharded module is a collective, so a pad must run the
+    modules a real micro-batch runs: the critic in both passes, the reference in the update."""
+    path = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
+    cfg = Config()
+    cfg.algo.name, cfg.algo.kl_coef = "ppo", 0.1
+    tr = Trainer(cfg, path)
+    calls: list[str] = []
+    tr.value_head.register_forward_hook(lambda *a: calls.append("critic"))
+    tr.ref_model.register_forward_hook(lambda *a: calls.append("reference"))
+    groups = synthetic_groups(1, 2, vocab=256, prompt_len=8, turns=2, tokens_per_turn=6, obs_len=4)
+    rows, _ = tr._rows(groups, trim=False)
+    tr.last_group_gaps = [GroupGap()]
+    with torch.set_grad_enabled(grad):
+        if grad:
+            tr._policy_micro_batch(rows, 10.0)
+        else:
+            tr._forward(rows, tr._collate(rows), grad_entropy=False)
+        real, calls[:] = list(calls), []
+        tr._pad_micro_batch()
+    assert calls == real == (["critic", "reference"] if grad else ["critic"])
 
 
 def test_groups_dropped_on_any_rank_are_reported_by_batch_position():
