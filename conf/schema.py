@@ -661,8 +661,6 @@ class ActorConfig:
         self.weights_shm = str(self.weights_shm).lower()  # a command-line ``true`` arrives as a bool
         _require(self.weights_shm in ("auto", "true", "false"), "actor.weights_shm",
                  f"must be auto, true or false, got {self.weights_shm!r}")
-
-    def __post_init__(self) -> None:
         _require(bool(self.pool) and self.pool.isprintable() and len(self.pool) <= 256, "actor.pool",
                  "must be a non-empty printable name (at most 256 characters)")
         _require(self.stop_timeout_s > 0, "actor.stop_timeout_s", "must be > 0 seconds")

@@ -89,3 +89,14 @@ def test_a_saved_resolved_config_loads_back_equal(tmp_path):
     conf.save(cfg, path)
     assert conf.load_file(path) == cfg
     assert "steps: 7" in open(path).read()
+
+
+def test_actor_weights_shm_from_the_command_line_is_checked_and_lowercased():
+    """``actor.weights_shm=false`` arrives from Hydra as a bool (``False``); it must mean
+    ``false`` (an earlier second ``__post_init__`` skipped this, so ``false`` kept shared memory on)."""
+    assert conf.load(["actor.weights_shm=false"]).actor.weights_shm == "false"
+    assert conf.load(["actor.weights_shm=true"]).actor.weights_shm == "true"
+    with pytest.raises(conf.ConfigError, match="actor.weights_shm"):
+        conf.load(["actor.weights_shm=sometimes"])
+    with pytest.raises(conf.ConfigError, match="actor.pool"):
+        conf.load(["actor.pool="])
