@@ -61,13 +61,21 @@ def test_the_generator_reads_attribute_docstrings_from_source():
     assert src["A"].field_docs == {"x": "What x is."}
 
 
-def test_check_mode_names_the_command_when_the_page_is_stale(tmp_path):
+def test_check_mode_names_the_command_when_the_page_is_stale(tmp_path, monkeypatch, capsys, page: str):
     stale = tmp_path / "configuration.md"
     stale.write_text("old\n", encoding="utf-8")
-    r = subprocess.run([sys.executable, "-m", "turnscale.conf.docs", "--check", "--out", str(stale)],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert r.returncode == 1 and "python -m turnscale.conf.docs" in r.stderr, r.stderr
+    monkeypatch.setattr(docs, "render", lambda: page)
+    assert docs.main(["--check", "--out", str(stale)]) == 1
+    assert "python -m turnscale.conf.docs" in capsys.readouterr().err
     assert stale.read_text(encoding="utf-8") == "old\n", "--check must not write"
+    assert docs.main(["--out", str(stale)]) == 0 and stale.read_text(encoding="utf-8") == page
+    assert docs.main(["--check", "--out", str(stale)]) == 0
+
+
+def test_the_generator_runs_as_the_documented_module(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "turnscale.conf.docs", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and "--check" in r.stdout, r.stderr[-2000:]
 
 
 def test_every_config_key_has_a_docstring(page: str):
