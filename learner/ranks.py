@@ -316,10 +316,15 @@ class RankedTrainer:
             raise _lost(None, doing, exc) from exc
 
     def load_state(self, path: str) -> int:
-        """Resume every rank from the checkpoint at ``path``."""
+        """Resume every rank from the checkpoint at ``path`` (sharded: a collective, so the
+        channel is held until it is done)."""
         with self._lock:
             self._check()
             self.channel.broadcast(RankResume(path=path))
+            if getattr(self.trainer, "sharded", False):
+                step = self._collective("loading a checkpoint", self.trainer.load_state, path)
+                self._last_sent = time.monotonic()
+                return step
             self._last_sent = time.monotonic()
         return self.trainer.load_state(path)
 

@@ -2,8 +2,13 @@
 
 ``Trainer`` holds an HF causal LM (plus a value head for PPO and a frozen reference when
 ``algo.kl_coef > 0``) on ``learner.device`` through ``accelerate`` (single process here;
-DDP / FSDP when started with ``accelerate launch``), AdamW, a warm-up + constant/cosine
-LR schedule and grad-norm clipping.
+DDP when started with ``torchrun`` / ``accelerate launch``), AdamW, a warm-up +
+constant/cosine LR schedule and grad-norm clipping.  With ``learner.strategy=fsdp`` on
+several ranks, all three modules are sharded with torch FSDP2 instead (``learner.fsdp``:
+per decoder layer, then the root; mixed precision from ``learner.fsdp``; no accelerate
+wrapper, autocast or loss scaler) and AdamW runs over the shards (``sharded``).
+``learner.activation_checkpointing`` recomputes each decoder layer in the backward (HF's
+gradient checkpointing, non-reentrant), under either strategy.
 
 One ``train_step(groups)`` is ONE optimizer step, in this order:
 
@@ -54,16 +59,22 @@ enforces it: one all-reduce of ``[loss tokens, rows]`` (sum) and one of the micr
 count (max) start every step, one of the count of groups marked non-finite (sum) ends its
 backward passes; a rank with fewer micro-batches pads its plan with
 zero-weight micro-batches (``pad_plan``; a one-token forward whose loss is multiplied by
-0, so it adds nothing to the summed gradients), in the proximal pass as in the update; a
+0, so it adds nothing to the summed gradients), in the proximal pass as in the update,
+running the modules a real micro-batch runs there (the critic in both passes, the
+reference in the update: under FSDP each forward of a sharded module is an all-gather); a
 rank with no trainable row takes part with pads only, and the step is skipped on every
 rank alike when no rank has one.  Loss normalisation and ``algo.loss_agg``'s mean
 episode length use the global counts, so K ranks on a split batch take the same step as
-one process on the whole batch (tested to float tolerance).  Group estimators need whole
-groups on a rank; REINFORCE++'s batch statistics are per rank.  ``state_dict_for_publish`` and
-``state_writer`` gather the full model on every rank under FSDP (call them on all ranks
-there; under DDP they need no collective, and ``learner.ranks`` calls them on rank 0 only);
-sharded (FSDP) optimizer state is saved as each rank's ``optimizer.state_dict()`` only
-from the main rank — resuming FSDP runs is not covered yet.
+one process on the whole batch (tested to float tolerance; under FSDP the reduce-scatter
+averages over ranks as DDP's all-reduce does, so the normaliser is the same, and every
+micro-batch's gradients are reduced into the shards: no unsharded gradient is kept between
+micro-batches).  Group estimators need whole groups on a rank; REINFORCE++'s batch
+statistics are per rank.  Under DDP ``state_dict_for_publish`` and ``state_writer`` need no
+collective (``learner.ranks`` calls them on rank 0 only).  Sharded, they are collectives
+that every rank runs: ``state_dict_for_publish`` gathers one tensor at a time
+(``fsdp.gathered_state``), ``state_writer`` returns a writer on every rank that saves this
+rank's shards (``checkpoint.save_sharded``: torch.distributed.checkpoint), and
+``load_state`` loads them on every rank, resharding onto the ranks of the resuming run.
 
 Per-group diagnostics: after a policy step ``last_group_gaps[i]`` holds the token sums of
 ``|mu - pi_prox|`` and ``exp(pi_prox - mu)`` over group ``i``'s loss tokens

@@ -43,6 +43,8 @@ def config(mode: str) -> Config:
     if mode == "grpo":
         cfg.algo.kl_coef = 0.05  # a sharded reference model too
         cfg.algo.loss_agg = "seq_mean_token_mean"
+    if mode == "ppo":
+        cfg.learner.activation_checkpointing = True  # recomputed in the backward: the same step
     cfg.learner.strategy = "fsdp"
     cfg.learner.fsdp.param_dtype = "float32"
     cfg.learner.fsdp.reduce_dtype = "float32"
@@ -83,7 +85,8 @@ def rank0(cfg: Config, channel, model_dir: str, out: str) -> None:
         torch.save({"norms": norms, "memory": memory, "published": torch.frombuffer(bytearray(published), dtype=torch.uint8),
                     "checksums": [c.checksum for c in manifest.chunks], "state": state, "resumed": resumed,
                     "resumed_at": resumed_at, "resumed_norm": m["loss/grad_norm"], "checkpoint": ckpt_path,
-                    "layers_sharded": len(fsdp.decoder_layers(tr.hf_model))}, out)
+                    "layers_sharded": len(fsdp.decoder_layers(tr.hf_model)),
+                    "checkpointing": bool(tr.hf_model.is_gradient_checkpointing)}, out)
     except BaseException:
         ranked.stop("error")
         raise

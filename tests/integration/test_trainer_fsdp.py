@@ -4,7 +4,7 @@ one process training on whole batches, hold about half the bytes of a replica ea
 the same bytes as a replicated learner for the same weights, and resume exactly from their
 sharded checkpoint.  One torchrun launch per algorithm (``fsdp_worker.py`` does the ranks'
 part); GRPO with packing, seq-mean loss aggregation and a sharded KL reference model, and
-PPO with its sharded critic."""
+PPO with its sharded critic and activation checkpointing."""
 
 from __future__ import annotations
 
@@ -50,9 +50,11 @@ def _publish(state: dict, dtype: str) -> tuple[bytes, list[int]]:
 def test_fsdp_on_two_ranks_takes_the_steps_of_one_process_publishes_its_bytes_and_resumes_exactly(tmp_path, mode):
     model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
     got = _run_ranks(tmp_path, model_dir, mode)
-    assert got["layers_sharded"] == 2
+    assert got["layers_sharded"] == 2 and got["checkpointing"] == (mode == "ppo")
 
-    single = Trainer(fsdp_worker.config(mode), model_dir)  # one process: nothing to shard
+    cfg = fsdp_worker.config(mode)
+    cfg.learner.activation_checkpointing = False  # the reference keeps its activations
+    single = Trainer(cfg, model_dir)  # one process: nothing to shard
     assert not single.sharded
     norms, after_two = [], None
     for i, groups in enumerate(fsdp_worker.batches()):
@@ -92,3 +94,23 @@ def test_fsdp_on_two_ranks_takes_the_steps_of_one_process_publishes_its_bytes_an
     hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
     for k, v in after_two.items():
         torch.testing.assert_close(hf[k], v, rtol=0, atol=ATOL, msg=k)
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_learner_publishes_the_weights_of_a_one_rank_learner_also_after_resume(tmp_path, monkeypatch):
+    """``torchrun -m turnscale learner learner.strategy=fsdp`` end to end, fed by a scripted
+    actor over ZeroMQ: publication through the service (version 0 and every step), a sharded
+    checkpoint every step, and a resume from the newest one."""
+    from tests.integration.test_learner_ranks import VOCAB, train
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # torchrun's torchelastic_* folders
+
+    fsdp_args = ("learner.strategy=fsdp", "learner.fsdp.param_dtype=float32")
+    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=VOCAB, intermediate=64)
+    one = train(tmp_path, "one", model_dir, 1, 3)
+    train(tmp_path, "two", model_dir, 2, 2, *fsdp_args)
+    assert checkpoint.is_sharded(checkpoint.latest(str(tmp_path / "two" / "checkpoints")))
+    two = train(tmp_path, "two-resumed", model_dir, 2, 3, "learner.resume=true", *fsdp_args)
+    assert one.keys() == two.keys()
+    for k in one:  # the bound of test_learner_ranks (DDP): float32 summation order only
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5, msg=k)
