@@ -9,7 +9,8 @@ Slurm lost, read the learner's signals, decide per pool within ``min_actors``..`
 job writes ``<slurm.dir>/learner.done`` (the run is over: exit 0).  A learner that does not
 answer for a round (busy, restarting) is logged and asked again next round; the loop never
 crashes on one.  With CURVE towards the learner it connects with ``actor.curve.*`` (an
-authorized key), as an actor would.  Run it on any host that reaches the learner and can
+authorized key), as an actor would; given none, with the run's own ``control`` key pair in
+``<slurm.dir>/keys`` (``turnscale.slurm.RunKeys``).  Run it on any host that reaches the learner and can
 call ``sbatch``/``squeue`` (a login node).
 """
 
@@ -78,6 +79,7 @@ def build(cfg, host: str, port: int):
 
 def main(argv: Sequence[str] = ()) -> int:
     from turnscale import conf
+    from turnscale.slurm import run_keys
 
     p = argparse.ArgumentParser(prog="turnscale autoscale", description=__doc__.split("\n\n")[0],
                                 epilog="Other arguments are the Hydra overrides given to `turnscale slurm`.")
@@ -87,6 +89,9 @@ def main(argv: Sequence[str] = ()) -> int:
         p.error("--every must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = conf.load(overrides)
+    keys = run_keys(cfg)
+    if keys is not None:  # the run's own CURVE keys (turnscale slurm made them): connect with the control pair
+        cfg = conf.load([*overrides, *keys.control_overrides()])
     folder = Path(cfg.slurm.dir)
     try:
         host, port = read_address(folder, cfg.slurm.wait_s)

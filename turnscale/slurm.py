@@ -23,6 +23,14 @@ overrides, then the pool's ``overrides``) are loaded through the schema (``pool_
 a key or value it refuses stops ``turnscale slurm`` (also ``--dry-run``) with exit 2, naming
 ``slurm.pools[<pool>].overrides`` and the key.
 
+CURVE: the learner job binds off loopback, so CURVE is on (``learner.curve.enabled: auto``).
+When the command line names no key file, the run uses its own keys in ``<dir>/keys``
+(``RunKeys``: made by ``turnscale slurm`` when missing, kept when present; secret files
+mode 0600): the learner's pair and authorized folder go to the learner job, one pair per
+pool to that pool's actors, and a ``control`` pair to ``turnscale autoscale``.  The dry run
+says which.  With the user's keys, the files are loaded at generation as the jobs will
+(a missing one stops it naming the key and ``turnscale keys``).
+
 Each script forwards the job's SIGTERM (``scancel``) to its process and waits for it.
 
 Every job gets the Hydra overrides given on the command line (minus ``slurm.*``), so
@@ -39,6 +47,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -128,6 +137,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     workdir = s.workdir or cwd or os.getcwd()
     common = _job_overrides(overrides)
     common.append(f"learner.dir={run}/learner")
+    keys = run_keys(cfg)
     py = [s.python, "-m", "turnscale"]
     files: dict[str, str] = {}
     lc = cfg.learner
@@ -143,7 +153,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
                 'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
                 *_publish(f"{run}/learner.addr", f'"$HOST {lc.port}"'),
-                f"{_q(learner_cmd)} learner {_q(common)} learner.host=0.0.0.0 &",
+                f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides() if keys else [])} learner.host=0.0.0.0 &",
                 "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT  # scancel: the learner checkpoints and exits",
                 *_reap()[:2],
                 f"touch {done}  # the run is over: the envhub job and the actors stop",
@@ -161,7 +171,8 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
         files["envhub.sbatch"] = "\n".join(env) + "\n"
 
     for pool in s.pools:
-        files[f"actors-{pool.name}.sbatch"] = _actor_script(cfg, pool, run, workdir, py, common)
+        files[f"actors-{pool.name}.sbatch"] = _actor_script(cfg, pool, run, workdir, py,
+                                                           [*common, *(keys.actor_overrides(pool.name) if keys else [])])
     return Scripts(files)
 
 
@@ -202,6 +213,90 @@ def parse_actor_id(actor_id: str) -> tuple[str, str]:
         raise ValueError(f"{actor_id!r} is not an actor id of turnscale slurm ('<pool>-<job>_<task>', "
                          "pool: letters, digits, '_')")
     return m.group(1), m.group(2)
+
+
+KEYS = "keys"
+"""Folder of the run's own CURVE keys, inside ``slurm.dir``."""
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The run's own CURVE key files in ``<slurm.dir>/keys`` (``ensure``, mode 0700; secret
+    files 0600): the learner's pair, one pair per pool (``actor-<pool>``; the pool's actors
+    share it, so a pool holds at most ``learner.max_actor_ids_per_key`` live actors), one for
+    ``turnscale autoscale`` (``control``), and ``authorized/`` with the pools' and the
+    control's public keys.  ``*_overrides`` wire them into each role's command line."""
+
+    folder: str
+
+    def _p(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def learner_overrides(self) -> list[str]:
+        return [f"learner.curve.secret_key={self._p('learner.key_secret')}",
+                f"learner.curve.authorized={self._p('authorized')}"]
+
+    def actor_overrides(self, pool: str) -> list[str]:
+        return [f"actor.curve.server_key={self._p('learner.key')}",
+                f"actor.curve.secret_key={self._p(f'actor-{pool}.key_secret')}"]
+
+    def control_overrides(self) -> list[str]:
+        """For ``turnscale autoscale`` (its ``LearnerControl`` connects as an authorized client)."""
+        return [f"actor.curve.server_key={self._p('learner.key')}",
+                f"actor.curve.secret_key={self._p('control.key_secret')}"]
+
+    def exists(self) -> bool:
+        return os.path.isfile(self._p("learner.key_secret"))
+
+    def ensure(self, pools: Iterable[str]) -> list[str]:
+        """Create the key pairs that are missing (an existing pair is kept: a resubmitted run
+        keeps its keys, and actors still running keep matching); the names created."""
+        from turnscale.protocol.curve import create_pair
+
+        os.makedirs(self._p("authorized"), exist_ok=True)
+        os.chmod(self.folder, 0o700)
+        made = []
+        for name in ("learner", *(f"actor-{p}" for p in pools), "control"):
+            if os.path.isfile(self._p(f"{name}.key_secret")):
+                continue
+            public, _ = create_pair(self.folder, name)
+            if name != "learner":
+                shutil.copyfile(public, self._p(f"authorized/{name}.key"))
+            made.append(name)
+        return made
+
+
+def run_keys(cfg: Config) -> RunKeys | None:
+    """The run's own keys when the learner serves CURVE (``learner.curve.enabled`` is ``true``,
+    or ``auto``: the learner job binds off loopback) and the command line gives no key file
+    (``learner.curve.*``, ``actor.curve.*``); None when CURVE is off or the user's keys are used."""
+    lc, ac = cfg.learner.curve, cfg.actor.curve
+    if lc.enabled == "false" or any((lc.secret_key, lc.authorized, ac.secret_key, ac.server_key)):
+        return None
+    return RunKeys(os.path.join(os.path.abspath(cfg.slurm.dir), KEYS))
+
+
+def check_curve(cfg: Config, pools: dict[str, Config]) -> None:
+    """At generation: with the run's own keys, every pool fits under ``learner.max_actor_ids_per_key``
+    (its actors share one key); with the user's keys, the files load as the jobs will load them
+    (``CurveConfigError`` names the key and the ``turnscale keys`` command)."""
+    import dataclasses
+
+    from turnscale import conf
+    from turnscale.common.curve import actor_curve, learner_curve
+
+    if run_keys(cfg) is not None:
+        limit = cfg.learner.max_actor_ids_per_key
+        for p in cfg.slurm.pools:
+            if max(p.count, p.max_actors) > limit:
+                raise conf.ConfigError(
+                    f"slurm.pools[{p.name}]: up to {max(p.count, p.max_actors)} actors share the pool's CURVE key, "
+                    f"but learner.max_actor_ids_per_key is {limit}: pass learner.max_actor_ids_per_key="
+                    f"{max(p.count, p.max_actors)}, or split the pool")
+        return
+    learner_curve(dataclasses.replace(cfg.learner, host="0.0.0.0"), warn=False)
+    for pc in pools.values():  # any address off loopback: what the published one is
+        actor_curve(dataclasses.replace(pc.actor, learner_host="learner.invalid"), warn=False)
 
 
 Runner = Callable[[Sequence[str]], str]
@@ -272,19 +367,25 @@ class SlurmBackend:
         self.runner(["scancel", parse_actor_id(actor_id)[1]])
 
 
-def main(argv: Iterable[str] | None = None) -> int:
+def main(argv: Iterable[str] | None = None, runner: Runner = _run) -> int:
     from turnscale import conf
     args = list(sys.argv[1:] if argv is None else argv)
     dry = "--dry-run" in args
     overrides = [a for a in args if a != "--dry-run"]
     try:
         cfg = conf.load(overrides)
-        pool_configs(cfg, overrides)
+        check_curve(cfg, pool_configs(cfg, overrides))
     except conf.ConfigError as exc:
         print(f"turnscale slurm: {exc}", file=sys.stderr)
         return 2
     scripts = render(cfg, overrides)
+    keys = run_keys(cfg)
     if dry:
+        if keys is not None:
+            print(f"# CURVE is on (the learner binds off loopback) and no key is given: "
+                  + (f"the run's keys in {keys.folder} are used" if keys.exists() else
+                     f"turnscale slurm (without --dry-run) creates them in {keys.folder} (secret files mode 0600)")
+                  + "; every job below is wired to them\n")
         for name, text in scripts.files.items():
             print(f"# ===== {cfg.slurm.dir}/{name}\n{text}")
         return 0
@@ -292,8 +393,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     for stale in ("learner.addr", "envhub.url", "learner.done"):  # a previous run's: actors must not find them
         (folder / stale).unlink(missing_ok=True)
     scripts.write(folder)
+    if keys is not None:
+        made = keys.ensure(p.name for p in cfg.slurm.pools)
+        print(f"CURVE keys: {keys.folder} ({'made ' + ', '.join(made) if made else 'kept from before'}; "
+              f"turnscale autoscale finds them there)")
     try:
-        jobs = submit(folder, scripts)
+        jobs = submit(folder, scripts, runner)
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"turnscale slurm: sbatch failed ({exc}); the scripts are in {folder}/ to inspect and submit by hand",
               file=sys.stderr)

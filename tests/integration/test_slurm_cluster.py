@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from turnscale.cluster import netns
 from turnscale.cluster.slurm import FakeSlurm, Node, available
 from turnscale.protocol.transport import free_port
 from turnscale.slurm import parse_actor_id
@@ -158,3 +159,91 @@ def test_slurm_backend_sees_a_cancelled_actor_task_in_squeue_and_replaces_it(tmp
         assert b.refresh() == {"cpu": 1}
         b.scale_to("cpu", 2)
         assert wait_live(b, 2) == 2
+
+
+def readme_quick_start(readme: str, subs: dict[str, str]) -> list[str]:
+    """The shell commands of the README's "Quick start: Slurm" section (its first indented
+    block), in order, as a user types them: continuation lines joined, trailing ``# comments``
+    dropped, ``...same overrides...`` replaced by the first command's arguments (as the
+    README says), then the paths in ``subs`` substituted."""
+    import re
+    import shlex
+
+    section = readme.split("## Quick start: Slurm", 1)[1].split("\n## ", 1)[0]
+    block, started = [], False
+    for line in section.splitlines():
+        if line.startswith("    ") and line.strip():
+            block.append(line)
+            started = True
+        elif started:
+            break
+    cmds = [re.sub(r"\s+#.*$", "", c).strip() for c in "\n".join(block).replace("\\\n", " ").splitlines() if c.strip()]
+    first = [t for t in shlex.split(cmds[0])[2:] if t != "--dry-run"]
+    out = []
+    for c in cmds:
+        if "...same overrides..." in c:
+            have = shlex.split(c.replace("...same overrides...", ""))
+            c = c.replace("...same overrides...", " ".join(shlex.quote(t) for t in first if t not in have))
+        for old, new in subs.items():
+            c = c.replace(old, new)
+        out.append(" ".join(c.split()))
+    return out
+
+
+def test_readme_quick_start_block_is_read_as_a_user_types_it():
+    readme = ("## Quick start: Slurm\n\nFrom a folder:\n\n    turnscale slurm --dry-run slurm.dir=/shared/run1 a=1 \\\n"
+              "        'b=[{x:1}]' c=2\n    turnscale slurm slurm.dir=/shared/run1 ...same overrides...     # submits\n\nAfter.\n\n    not this\n## Next")
+    assert readme_quick_start(readme, {"/shared/run1": "/t/r"}) == [
+        "turnscale slurm --dry-run slurm.dir=/t/r a=1 'b=[{x:1}]' c=2", "turnscale slurm slurm.dir=/t/r a=1 'b=[{x:1}]' c=2"]
+
+
+NS_OK, NS_WHY = netns.available()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.skipif(not NS_OK, reason=NS_WHY)
+def test_readme_slurm_quick_start_runs_as_written_with_curve_on(tmp_path):
+    """The README's quick start, verbatim but for the two paths, on a one-node cluster whose
+    node is a network namespace (so the learner binds and publishes a non-loopback address,
+    as on a real cluster, and CURVE turns on by default).  It used to stop in every job with
+    ``CurveConfigError`` (no keys given).  Now the dry run says the run's keys will be made,
+    the submission makes them (secret files 0600) and the learner trains steps with the
+    pool's actors connected over CURVE.  The run (300 steps) is then cancelled."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import REPO_ROOT
+
+    net = netns.Cluster(["n1"])
+    c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=16)], net=net)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    run = shared / "run1"
+    cmds = readme_quick_start((Path(REPO_ROOT) / "README.md").read_text(),
+                              {"/shared/run1": str(run), "/shared/venv/bin/python": sys.executable})
+    assert len(cmds) == 2 and "--dry-run" in cmds[0] and "--dry-run" not in cmds[1], cmds
+    env = {**c.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    with slurm_session(c, 120, run=run, net=net):
+        outs = []
+        for cmd in cmds:
+            r = subprocess.run(["bash", "-c", cmd], cwd=shared, env=env, capture_output=True, text=True, timeout=180)
+            assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+            outs.append(r.stdout)
+        assert f"creates them in {run}/keys" in outs[0] and "actors-cpu.sbatch: job" in outs[1]
+        assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in (run / "keys").glob("*.key_secret"))
+        assert len(list((run / "keys").glob("*.key_secret"))) == 3  # learner, the cpu pool, autoscale's control
+
+        def trained() -> bool:
+            m = read_jsonl(run / "learner" / "metrics.jsonl") if (run / "learner" / "metrics.jsonl").exists() else []
+            return bool(m) and m[-1]["step"] >= 2
+
+        wait_for(trained, 600, "two steps of the quick start's run", every_s=2.0)
+        log = "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("*.log"))
+        assert "CURVE on: learner key" in log and "CurveConfigError" not in log
+        assert (run / "learner.addr").read_text().split()[0] == net.addr("n1")
+        trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
+        assert {parse_actor_id(t["actor_id"])[0] for t in trajs if t["accepted"]} == {"cpu"}

@@ -317,3 +317,70 @@ def test_a_pool_override_the_schema_refuses_stops_generation_naming_the_pool_and
     assert slurm.main([f"slurm.dir={tmp_path}/run", pools]) == 2 and not (tmp_path / "run").exists()  # nothing written
     cfgs = slurm.pool_configs(conf.load([POOLS]), [POOLS])  # every pool's actors' config, as they will load it
     assert cfgs["ascend"].engine.device == "npu" and cfgs["ascend"].actor.pool == "ascend" and cfgs["cpu"].engine.device == "cpu"
+
+
+def test_without_keys_the_run_makes_its_own_curve_keys_private_and_wires_every_job(tmp_path, capsys):
+    """The learner job binds off loopback, so CURVE is on; the quick start passes no key and
+    used to stop with ``CurveConfigError`` in every job.  Now ``turnscale slurm`` makes the
+    run's keys in ``slurm.dir/keys`` (secret files 0600, folder 0700), the dry run says so,
+    and each role's command line loads them (checked with the roles' own loaders)."""
+    import os
+    import shlex
+
+    from turnscale.common.curve import actor_curve, learner_curve
+
+    run = tmp_path / "run"
+    args = [f"slurm.dir={run}", "slurm.python=/opt/ts/bin/python", POOLS]
+    assert slurm.main(["--dry-run", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"creates them in {run}/keys (secret files mode 0600)" in out and not run.exists()
+    assert f"learner.curve.secret_key={run}/keys/learner.key_secret" in out
+
+    calls = []
+    assert slurm.main(args, runner=lambda cmd: calls.append(list(cmd)) or f"{len(calls)}\n") == 0
+    assert len(calls) == 4 and f"CURVE keys: {run}/keys (made learner, actor-cpu, actor-ascend, control" in capsys.readouterr().out
+    keys = run / "keys"
+    assert os.stat(keys).st_mode & 0o777 == 0o700
+    secrets = sorted(p.name for p in keys.glob("*.key_secret"))
+    assert secrets == ["actor-ascend.key_secret", "actor-cpu.key_secret", "control.key_secret", "learner.key_secret"]
+    assert all(os.stat(keys / n).st_mode & 0o777 == 0o600 for n in secrets)
+    assert sorted(p.name for p in (keys / "authorized").iterdir()) == ["actor-ascend.key", "actor-cpu.key", "control.key"]
+
+    def role_overrides(script: str, role: str) -> list[str]:
+        line = next(ln for ln in script.splitlines() if f" -m turnscale {role} " in ln)
+        return [w for w in shlex.split(line.replace("&", "")) if "=" in w and "$" not in w and not w.startswith("slurm.")]
+
+    lcfg = conf.load(role_overrides((run / "learner.sbatch").read_text(), "learner"))
+    ls = learner_curve(lcfg.learner)
+    assert ls is not None and lcfg.learner.host == "0.0.0.0"
+    for pool in ("cpu", "ascend"):
+        acfg = conf.load([*role_overrides((run / f"actors-{pool}.sbatch").read_text(), "actor"), "actor.learner_host=10.0.0.1"])
+        a = actor_curve(acfg.actor)
+        assert a is not None and a.server_public == ls.public and acfg.actor.pool == pool
+    learner_pub = (keys / "learner.key").read_bytes()
+    assert slurm.main(args, runner=lambda cmd: "9\n") == 0  # resubmitted: the keys are kept
+    assert (keys / "learner.key").read_bytes() == learner_pub and "kept from before" in capsys.readouterr().out
+
+
+def test_curve_off_or_the_users_own_keys_make_no_run_keys(tmp_path, capsys):
+    off = render(tmp_path, "learner.curve.enabled=false", "actor.curve.enabled=false")
+    assert ".curve.secret_key" not in off.files["learner.sbatch"] and ".curve.s" not in off.files["actors-cpu.sbatch"]
+    mine = [f"slurm.dir={tmp_path}/run", POOLS, f"learner.curve.secret_key={tmp_path}/k/learner.key_secret",
+            f"learner.curve.authorized={tmp_path}/k/authorized", f"actor.curve.server_key={tmp_path}/k/learner.key",
+            f"actor.curve.secret_key={tmp_path}/k/actor-1.key_secret"]
+    assert slurm.main(["--dry-run", *mine]) == 2  # the files do not exist: the dry run says how to make them
+    err = capsys.readouterr().err
+    assert "learner.curve.secret_key" in err and "turnscale keys" in err
+    from turnscale.protocol.curve import create_keys
+    create_keys(str(tmp_path / "k"), 1)
+    assert slurm.main(["--dry-run", *mine]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path}/run/keys" not in out and f"actor.curve.secret_key={tmp_path}/k/actor-1.key_secret" in out
+
+
+def test_a_pool_larger_than_the_actor_ids_one_key_may_register_is_refused(tmp_path, capsys):
+    assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.pools=[{name:cpu,count:2,max_actors:12}]"]) == 2
+    assert "learner.max_actor_ids_per_key=12" in capsys.readouterr().err
+    assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.pools=[{name:cpu,count:2,max_actors:12}]",
+                       "learner.max_actor_ids_per_key=12"]) == 0
+
