@@ -4,7 +4,9 @@ Writes readable sbatch scripts into ``slurm.dir`` (storage every node sees) and 
 them (``--dry-run``: prints them and submits nothing):
 
 - ``learner.sbatch``: the learner, bound to all interfaces (under ``torchrun
-  --standalone --nproc_per_node=<slurm.learner_ranks>`` when that is above 1); once started it publishes
+  --standalone --nproc_per_node=<slurm.learner_ranks>`` when that is above 1), with
+  ``learner.resume=true`` when ``<dir>/learner/checkpoints`` holds a checkpoint (a requeued or
+  resubmitted job continues the run from the newest one); once started it publishes
   its address as ``<dir>/learner.addr`` (``host port``, written to a temp file and renamed,
   so a reader never sees half of it); when the learner exits the job writes
   ``<dir>/learner.done``;
@@ -86,6 +88,17 @@ def _reap() -> list[str]:
     return ["rc=0; wait $PID || rc=$?", "while kill -0 $PID 2>/dev/null; do rc=0; wait $PID || rc=$?; done", "exit $rc"]
 
 
+def _resume_if_checkpointed(checkpoints: str) -> list[str]:
+    """Shell lines setting ``$RESUME`` to ``learner.resume=true`` when ``checkpoints`` holds a
+    complete checkpoint (``step-*/meta.json``, ``learner/checkpoint.py``), else empty: a
+    requeued or resubmitted learner job continues the run from its newest checkpoint."""
+    pattern = f"{shlex.quote(checkpoints)}/step-*/meta.json"
+    return ["RESUME=''",
+            f"if compgen -G {pattern} >/dev/null; then",
+            f"  RESUME=learner.resume=true; echo \"resuming from the newest checkpoint in {checkpoints}\"",
+            "fi"]
+
+
 def _publish(path: str, value: str) -> list[str]:
     """Shell lines writing ``value`` to ``path`` atomically (temp file + rename)."""
     return [f'printf "%s\\n" {value} > {shlex.quote(path)}.tmp.$$', f"mv -f {shlex.quote(path)}.tmp.$$ {shlex.quote(path)}"]
@@ -153,7 +166,9 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
                 'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
                 *_publish(f"{run}/learner.addr", f'"$HOST {lc.port}"'),
-                f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides() if keys else [])} learner.host=0.0.0.0 &",
+                *_resume_if_checkpointed(f"{run}/learner/checkpoints"),
+                f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides() if keys else [])} learner.host=0.0.0.0 "
+                "$RESUME &",
                 "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT  # scancel: the learner checkpoints and exits",
                 *_reap()[:2],
                 f"touch {done}  # the run is over: the envhub job and the actors stop",
@@ -405,5 +420,9 @@ def main(argv: Iterable[str] | None = None, runner: Runner = _run) -> int:
         return 1
     for name, job in jobs.items():
         print(f"{name}: job {job}")
+    from turnscale.learner.checkpoint import latest
+    if (ck := latest(str(folder.resolve() / "learner" / "checkpoints"))) is not None:
+        print(f"the learner resumes from {ck} (and from the newest checkpoint whenever its job is requeued); "
+              "a fresh run needs a new slurm.dir")
     print(f"learner address: {folder}/learner.addr (written when the learner job starts); logs: {folder}/logs/")
     return 0

@@ -384,3 +384,25 @@ def test_a_pool_larger_than_the_actor_ids_one_key_may_register_is_refused(tmp_pa
     assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.pools=[{name:cpu,count:2,max_actors:12}]",
                        "learner.max_actor_ids_per_key=12"]) == 0
 
+
+def test_learner_job_resumes_from_a_checkpoint_in_the_run_folder(tmp_path):
+    """A requeued (or resubmitted) learner job used to start the run over; its script now adds
+    ``learner.resume=true`` when ``<slurm.dir>/learner/checkpoints`` holds a complete checkpoint
+    (a temp folder, or one without ``meta.json``, does not count).  Run with ``python``
+    replaced by ``echo``."""
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", "slurm.python=echo", f"slurm.workdir={tmp_path}"]
+    p = tmp_path / "l.sh"
+    p.write_text(slurm.render(conf.load(overrides), overrides).files["learner.sbatch"])
+    ck = tmp_path / "run/learner/checkpoints"
+
+    def learner_args() -> list[str]:
+        r = subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        assert r.returncode == 0, r.stderr
+        return next(ln for ln in r.stdout.splitlines() if " turnscale learner " in f" {ln} ").split()
+
+    (ck / ".tmp-step-00000002-ab12").mkdir(parents=True)
+    (ck / "step-00000001").mkdir()  # incomplete: no meta.json
+    assert "learner.resume=true" not in learner_args()
+    (ck / "step-00000001" / "meta.json").write_text("{}")
+    assert learner_args()[-1] == "learner.resume=true"
+
