@@ -774,11 +774,23 @@ class SlurmConfig:
     """``sbatch --cpus-per-task`` of the envhub job."""
     wait_s: int = 600
     """How long an actor job waits for the learner's (and envhub's) address file."""
+    free_ports: bool = True
+    """The learner and envhub jobs pick ports no socket on their node uses when they start
+    (``learner.port``/``pub_port``/``weights_port``, ``env.port`` are then ignored) and publish
+    them in ``learner.addr`` / ``envhub.url``; false: the configured ports (two runs on one
+    node clash)."""
+    interface: str = ""
+    """Network interface whose IPv4 address the learner and envhub jobs bind and publish
+    (e.g. ``ib0``, a separate fast network); empty: the node's first address (``hostname -I``),
+    every interface bound."""
     pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig()])
     """Actor pools, one job array each (``PoolConfig``); on the command line
     ``'slurm.pools=[{name:cpu,count:4}]'``."""
 
     def __post_init__(self) -> None:
+        _require(self.interface == "" or (len(self.interface) < 16 and self.interface.isascii() and all(
+            ch.isalnum() or ch in "._:-" for ch in self.interface)), "slurm.interface",
+            f"{self.interface!r} is not a network interface name (e.g. ib0, eth1)")
         names = [p.name for p in self.pools]
         _require(bool(names) and len(set(names)) == len(names), "slurm.pools", f"needs unique pool names, got {names}")
         _require(self.learner_cpus >= 1 and self.envhub_cpus >= 1 and self.wait_s >= 1, "slurm", "cpus and wait_s must be >= 1")

@@ -3,7 +3,13 @@
 Writes readable sbatch scripts into ``slurm.dir`` (storage every node sees) and submits
 them (``--dry-run``: prints them and submits nothing):
 
-- ``learner.sbatch``: the learner, bound to all interfaces (under ``torchrun
+Addresses: each server job publishes ``slurm.interface``'s IPv4 address (and binds it), or
+without one the node's first address (``hostname -I``, binding every interface); with
+``slurm.free_ports`` (default) it picks ports no socket on its node uses when it starts
+(the learner's three, the envhub's one) and publishes them, so runs sharing a node do not
+clash; actors learn the learner's other two ports from its ``Welcome``.
+
+- ``learner.sbatch``: the learner, bound as above (under ``torchrun
   --standalone --nproc_per_node=<slurm.learner_ranks>`` when that is above 1), with
   ``learner.resume=true`` when ``<dir>/learner/checkpoints`` holds a checkpoint (a requeued or
   resubmitted job continues the run from the newest one); once started it publishes
@@ -88,6 +94,48 @@ def _reap() -> list[str]:
     return ["rc=0; wait $PID || rc=$?", "while kill -0 $PID 2>/dev/null; do rc=0; wait $PID || rc=$?; done", "exit $rc"]
 
 
+_PICK_PORTS_AWK = r"""
+function hex(s,  i, v) { v = 0; for (i = 1; i <= length(s); i++) v = v * 16 + index("0123456789ABCDEF", toupper(substr(s, i, 1))) - 1; return v }
+FNR > 1 { split($2, a, ":"); used[hex(a[2])] = 1 }
+END {
+  srand(seed); got = 0; lo0 = 10000
+  for (tries = 0; got < n && tries < 100000; tries++) {
+    if (lo > lo0 + 1000) p = lo0 + int(rand() * (lo - lo0)); else p = hi + 1 + int(rand() * (65535 - hi))
+    if (p < 1024 || p > 65535 || (p >= lo && p <= hi) || (p in used)) continue
+    used[p] = 1; printf "%s%d", (got++ ? " " : ""), p
+  }
+  print ""
+}"""
+
+
+def _host_lines(interface: str) -> list[str]:
+    """Shell lines setting ``$HOST`` (the address this job publishes) and ``$BIND`` (what its
+    server binds): ``slurm.interface``'s IPv4 address for both, or without one the node's first
+    address (``hostname -I``) published and every interface bound."""
+    if not interface:
+        return ['HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}', "BIND=0.0.0.0"]
+    i = shlex.quote(interface)
+    return [f"HOST=$(ip -o -4 addr show dev {i} 2>/dev/null | awk '{{split($4, a, \"/\"); print a[1]; exit}}' || true)",
+            f'[ -n "$HOST" ] || {{ echo "slurm.interface={interface}: no IPv4 address on $(hostname) '
+            f'(ip -4 addr show dev {interface}); name an interface this node has" >&2; exit 1; }}',
+            'BIND=$HOST']
+
+
+def _pick_ports(names: Sequence[str], fixed: Sequence[int], free: bool) -> list[str]:
+    """Shell lines setting the variables ``names`` to TCP ports: with ``free`` (``slurm.free_ports``)
+    ports that no socket of this node uses now (``/proc/net/tcp*``, any state), outside the
+    kernel's ephemeral range (which outgoing connections draw from) and distinct; else ``fixed``.
+    The pick happens when the job starts, on its node, so two runs sharing a node do not
+    clash (a port taken between the pick and the bind makes the role fail to bind: rare)."""
+    if not free:
+        return [f"{n}={p}" for n, p in zip(names, fixed)]
+    return ["read -r LO HI < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || { LO=32768; HI=60999; }",
+            f"PORTS=$(awk -v n={len(names)} -v lo=\"$LO\" -v hi=\"$HI\" -v seed=\"$RANDOM$$\" "
+            f"{shlex.quote(_PICK_PORTS_AWK)} /proc/net/tcp /proc/net/tcp6 2>/dev/null || true)",
+            f"read -r {' '.join(names)} <<< \"$PORTS\"",
+            f'[ -n "${{{names[-1]}:-}}" ] || {{ echo "no free TCP ports on $(hostname) (/proc/net/tcp)" >&2; exit 1; }}']
+
+
 def _resume_if_checkpointed(checkpoints: str) -> list[str]:
     """Shell lines setting ``$RESUME`` to ``learner.resume=true`` when ``checkpoints`` holds a
     complete checkpoint (``step-*/meta.json``, ``learner/checkpoint.py``), else empty: a
@@ -164,10 +212,12 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     done = shlex.quote(f"{run}/learner.done")
     learner += ["# turnscale learner: trains, leases work, publishes weights; its address goes to learner.addr",
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
-                'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
-                *_publish(f"{run}/learner.addr", f'"$HOST {lc.port}"'),
+                *_host_lines(s.interface),
+                *_pick_ports(("PORT", "PUB_PORT", "WEIGHTS_PORT"), (lc.port, lc.pub_port, lc.weights_port), s.free_ports),
+                *_publish(f"{run}/learner.addr", '"$HOST $PORT"'),
                 *_resume_if_checkpointed(f"{run}/learner/checkpoints"),
-                f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides() if keys else [])} learner.host=0.0.0.0 "
+                f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides() if keys else [])} "
+                '"learner.host=$BIND" "learner.port=$PORT" "learner.pub_port=$PUB_PORT" "learner.weights_port=$WEIGHTS_PORT" '
                 "$RESUME &",
                 "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT  # scancel: the learner checkpoints and exits",
                 *_reap()[:2],
@@ -180,9 +230,10 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                              time=s.time, cpus=s.envhub_cpus)
         env += ["# turnscale envhub: the env server the actors play on; its URL goes to envhub.url",
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}",
-                'HOST=$(hostname -I 2>/dev/null | awk \'{print $1}\'); HOST=${HOST:-$(hostname)}',
-                *_publish(f"{run}/envhub.url", f'"http://$HOST:{cfg.env.port}"'),
-                *_until_done(f"{_q(py)} envhub {_q(common)} host=0.0.0.0 port={cfg.env.port}", done)]
+                *_host_lines(s.interface),
+                *_pick_ports(("PORT",), (cfg.env.port,), s.free_ports),
+                *_publish(f"{run}/envhub.url", '"http://$HOST:$PORT"'),
+                *_until_done(f'{_q(py)} envhub {_q(common)} "host=$BIND" "port=$PORT"', done)]
         files["envhub.sbatch"] = "\n".join(env) + "\n"
 
     for pool in s.pools:

@@ -43,7 +43,7 @@ def test_learner_and_envhub_publish_their_address_atomically_and_actors_wait_for
     run = f"{tmp_path}/run"
     learner = s.files["learner.sbatch"]
     assert f"> {run}/learner.addr.tmp.$$" in learner and f"mv -f {run}/learner.addr.tmp.$$ {run}/learner.addr" in learner
-    assert "learner.host=0.0.0.0" in learner
+    assert "BIND=0.0.0.0" in learner and "\"learner.host=$BIND\"" in learner
     assert f"mv -f {run}/envhub.url.tmp.$$ {run}/envhub.url" in s.files["envhub.sbatch"]
     cpu = s.files["actors-cpu.sbatch"]
     assert f"read -r LEARNER_HOST LEARNER_PORT < {run}/learner.addr" in cpu and f"$(cat {run}/envhub.url)" in cpu
@@ -350,9 +350,10 @@ def test_without_keys_the_run_makes_its_own_curve_keys_private_and_wires_every_j
         line = next(ln for ln in script.splitlines() if f" -m turnscale {role} " in ln)
         return [w for w in shlex.split(line.replace("&", "")) if "=" in w and "$" not in w and not w.startswith("slurm.")]
 
-    lcfg = conf.load(role_overrides((run / "learner.sbatch").read_text(), "learner"))
+    assert "BIND=0.0.0.0" in (run / "learner.sbatch").read_text()  # "learner.host=$BIND"
+    lcfg = conf.load([*role_overrides((run / "learner.sbatch").read_text(), "learner"), "learner.host=0.0.0.0"])
     ls = learner_curve(lcfg.learner)
-    assert ls is not None and lcfg.learner.host == "0.0.0.0"
+    assert ls is not None
     for pool in ("cpu", "ascend"):
         acfg = conf.load([*role_overrides((run / f"actors-{pool}.sbatch").read_text(), "actor"), "actor.learner_host=10.0.0.1"])
         a = actor_curve(acfg.actor)
@@ -406,3 +407,66 @@ def test_learner_job_resumes_from_a_checkpoint_in_the_run_folder(tmp_path):
     (ck / "step-00000001" / "meta.json").write_text("{}")
     assert learner_args()[-1] == "learner.resume=true"
 
+
+def _run_learner_script(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run the learner script with ``python`` replaced by ``echo``; (result, the learner's argv)."""
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", "slurm.python=echo", f"slurm.workdir={tmp_path}", *extra]
+    (tmp_path / "run").mkdir(exist_ok=True)
+    p = tmp_path / "l.sh"
+    p.write_text(slurm.render(conf.load(overrides), overrides).files["learner.sbatch"])
+    r = subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+    line = next((ln for ln in r.stdout.splitlines() if " turnscale learner " in f" {ln} "), "")
+    return r, line.split()
+
+
+def _arg(argv: list[str], key: str) -> str:
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(f"{key}="))
+
+
+def test_learner_and_envhub_pick_free_ports_on_their_node_and_publish_them(tmp_path):
+    """Fixed ports (5555-5557, 8301) clashed between runs sharing a node: the jobs now pick
+    ports that no socket on the node uses (``/proc/net/tcp*``), outside the ephemeral range,
+    and publish them; ``slurm.free_ports=false`` keeps the configured ones."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    seen = set()
+    for _ in range(3):
+        r, argv = _run_learner_script(tmp_path)
+        assert r.returncode == 0, r.stderr
+        ports = [int(_arg(argv, f"learner.{k}")) for k in ("port", "pub_port", "weights_port")]
+        assert len(set(ports)) == 3 and all(1024 <= p <= 65535 and not lo <= p <= hi for p in ports), ports
+        assert busy.getsockname()[1] not in ports and 5555 not in ports
+        assert (tmp_path / "run/learner.addr").read_text().split()[1] == str(ports[0])
+        assert _arg(argv, "learner.host") == "0.0.0.0"
+        seen.add(ports[0])
+    busy.close()
+    assert len(seen) > 1  # picked at random, not one fixed port
+    r, argv = _run_learner_script(tmp_path, "slurm.free_ports=false", "learner.port=6001")
+    assert _arg(argv, "learner.port") == "6001" and _arg(argv, "learner.pub_port") == "5556"
+    assert (tmp_path / "run/learner.addr").read_text().split()[1] == "6001"
+
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", "slurm.python=echo", f"slurm.workdir={tmp_path}"]
+    env_script = tmp_path / "e.sh"
+    env_script.write_text(slurm.render(conf.load(overrides), overrides).files["envhub.sbatch"])
+    (tmp_path / "run/learner.done").unlink(missing_ok=True)  # the echo "server" exits by itself
+    r = subprocess.run(["bash", str(env_script)], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    port = _arg(r.stdout.split(), "port")
+    assert (tmp_path / "run/envhub.url").read_text().strip().endswith(f":{port}") and port != "8301"
+
+
+def test_slurm_interface_names_the_address_published_and_bound(tmp_path):
+    """``slurm.interface=lo`` publishes and binds lo's address (a cluster's fast network:
+    ``ib0``); an interface the node lacks stops the job saying so."""
+    r, argv = _run_learner_script(tmp_path, "slurm.interface=lo")
+    assert r.returncode == 0, r.stderr
+    assert _arg(argv, "learner.host") == "127.0.0.1"
+    assert (tmp_path / "run/learner.addr").read_text().split()[0] == "127.0.0.1"
+    r, argv = _run_learner_script(tmp_path, "slurm.interface=nosuch0")
+    assert r.returncode == 1 and not argv and "slurm.interface=nosuch0: no IPv4 address on" in r.stderr
+    with pytest.raises(conf.ConfigError, match="slurm.interface"):
+        conf.load(["slurm.interface=eth0; rm -rf /"])
