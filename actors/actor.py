@@ -157,6 +157,8 @@ class ActorStats:
     groups_sent: int = 0
     groups_accepted: int = 0
     groups_abandoned: int = 0
+    groups_resent: int = 0
+    """Groups sent again after a retryable refusal (the learner busy with large messages)."""
     leases_received: int = 0
     sessions: int = 0
     weight_pulls: int = 0
@@ -524,7 +526,7 @@ class Actor:
             with scope:
                 await self._wait_for_version(lease.policy_version)
                 group = await self._play(lease)
-                ack = await self._request(req, group, GroupAck)
+                ack = await self._send_group(req, lease, group)
                 self.stats.groups_sent += 1
                 self.stats.groups_accepted += int(ack.accepted)
                 if not ack.accepted:
@@ -534,6 +536,23 @@ class Actor:
         finally:
             self._running.pop(lease.lease_id, None)
             self._poke()
+
+    async def _send_group(self, req: Requester, lease: Lease, group: TrajectoryGroup) -> GroupAck:
+        """Hand a finished group to the learner.  A retryable refusal (``busy``: the learner's
+        queue of large messages is full while another client floods it) is retried with
+        capped backoff for at most the lease's ``ttl_s``, so a played group is not thrown
+        away; any other refusal, or a retryable one past that time, is raised."""
+        delay, give_up = 0.1, trio.current_time() + lease.ttl_s
+        while True:
+            try:
+                return await self._request(req, group, GroupAck)
+            except RemoteError as exc:
+                if not exc.retryable or self.stopping and not self._running or trio.current_time() + delay > give_up:
+                    raise
+                log.info("group %s not taken yet (%s); sending it again in %.1fs", lease.lease_id, exc.code, delay)
+                self.stats.groups_resent += 1
+                await trio.sleep(delay)
+                delay = min(2.0, 2 * delay)
 
     async def _play(self, lease: Lease) -> TrajectoryGroup:
         """Play the lease's group; a crash of the runner or the env pool becomes a failed

@@ -708,3 +708,30 @@ def test_heartbeats_run_during_the_first_pull_so_a_long_pull_keeps_the_actor_reg
     actor.deps.pull = slow_first_pull
     run_to_shutdown(svc, actor)
     assert len(beats_while_pulling) >= 3 and actor.stats.sessions == 1
+
+
+def test_a_group_refused_as_busy_is_sent_again_and_trained():
+    """The learner answers a retryable ``busy`` while another client floods its queue of large
+    messages: the actor sends the played group again (capped backoff) instead of dropping it."""
+    from turnscale.protocol.messages import ErrorReply, TrajectoryGroup
+
+    cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 1, "actor.max_groups": 2,
+                      "learner.heartbeat_interval_s": 0.1})
+    trainer = FakeTrainer()
+    svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
+    svc.linger_s, svc.announce_every_s = 0.5, 0.2
+    refused: list[str] = []
+    handle = svc.handle
+
+    def busy_twice(msg, identity=b""):
+        if isinstance(msg, TrajectoryGroup) and refused.count(msg.lease_id) < 2:
+            refused.append(msg.lease_id)
+            return ErrorReply(code="busy", message="8 large messages wait to be decoded", retryable=True)
+        return handle(msg, identity)
+
+    svc.handle = busy_twice
+    actor = make_actor(cfg, FakeEnvClient(), ChecksumEngine(size=SIZE))
+    run_to_shutdown(svc, actor)
+    assert trainer.step == 2 and refused
+    assert set(refused) <= set(trainer.trained)  # every group refused as busy was trained after all
+    assert actor.stats.groups_resent == len(refused)
