@@ -270,7 +270,8 @@ def save_sharded(path: str, *, modules: Mapping[str, Any], optimizer: Any, train
 
 def load_sharded(path: str, *, modules: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
     """Load a sharded checkpoint into ``modules`` and ``optimizer`` on every rank (a
-    collective; any number of ranks), restore this rank's RNG; returns ``trainer_state.pt``."""
+    collective; any number of ranks, sharded or not: DCP reshards; one process without
+    torch.distributed too), restore this rank's RNG; returns ``trainer_state.pt``."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -285,7 +286,8 @@ def load_sharded(path: str, *, modules: Mapping[str, Any], optimizer: Any) -> di
         raise CheckpointError(f"{path}: the sharded checkpoint does not fit this model and optimizer "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from exc
     set_state_dict(container, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
-    own = os.path.join(path, f"rng-{dist.get_rank()}.pt")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    own = os.path.join(path, f"rng-{rank}.pt")
     rng = torch.load(own, map_location="cpu", weights_only=True) if os.path.isfile(own) else state["rng"]
     restore_rng(rng)
     return state

@@ -401,7 +401,7 @@ class Trainer:
         checkpoint at ``path`` (``CheckpointError`` for an incomplete one); returns ``step``.
         The run's state in the same folder is the checkpointer's to read.  A sharded checkpoint
         (``ckpt.save_sharded``) loads on every rank at once (a collective)."""
-        if self.sharded or ckpt.is_sharded(path):
+        if ckpt.is_sharded(path):
             return self._load_sharded(path)
         state = ckpt.load_trainer_state(path)
         self._load_model_state(ckpt.load_model_state(path))
@@ -429,9 +429,8 @@ class Trainer:
                           model=self.hf_model, tokenizer=self.tokenizer)
 
     def _load_sharded(self, path: str) -> int:
-        if not self.sharded:
-            raise ckpt.CheckpointError(f"{path} is a sharded (learner.strategy=fsdp) checkpoint; resume it with "
-                                       f"learner.strategy=fsdp on several ranks, or export it first (turnscale export)")
+        """A sharded checkpoint into this trainer, sharded or not: DCP reshards it onto the
+        ranks (or the one process) of this run."""
         state = ckpt.load_sharded(path, modules=self._checkpoint_modules(), optimizer=self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])

@@ -81,11 +81,19 @@ def test_fsdp_on_two_ranks_takes_the_steps_of_one_process_publishes_its_bytes_an
     assert bytes(got["published"].numpy()) == ref_bytes
     assert got["checksums"] == ref_sums
 
-    # exact resume from the sharded step-2 checkpoint on the same ranks
+    # exact resume from the sharded step-2 checkpoint on the same ranks ...
     assert got["resumed_at"] == 2
     assert got["resumed_norm"] == got["norms"][2]
     for k in want:
         assert torch.equal(got["resumed"][k], got["state"][k]), k
+
+    # ... and onto another number of ranks: one process resumes it and takes the same step 3
+    one = Trainer(cfg, model_dir)
+    assert one.load_state(got["checkpoint"]) == 2
+    one.train_step(fsdp_worker.batches()[2])
+    resumed_on_one = one.state_dict_for_publish("float32")
+    for k in want:
+        torch.testing.assert_close(resumed_on_one[k], got["state"][k], rtol=0, atol=ATOL, msg=k)
 
     # the sharded checkpoint exported to HF format in one process holds the step-2 policy
     exported = checkpoint.export_hf(got["checkpoint"], str(tmp_path / "hf"))
