@@ -1,7 +1,9 @@
 """The README and docs/ stay what a newcomer can trust: the README is short, every link in them
-leads somewhere, and every ``turnscale <role> KEY=VALUE ...`` command they show composes a
-valid config exactly as the role loads it (a renamed or misspelled key fails here, naming
-the page and the command)."""
+leads somewhere, every ``turnscale <role> KEY=VALUE ...`` command they show composes a
+valid config exactly as the role loads it, and every flag-style command (``turnscale eval``,
+``bench``, ``keys``, ``python -m turnscale.<module>`` ...) parses with its module's own argparse
+(a renamed or misspelled key or flag fails here, naming the page and the command).  The quick
+starts that can run here run as typed in ``tests/integration/test_readme_quickstarts.py``."""
 
 from __future__ import annotations
 
@@ -104,3 +106,80 @@ def test_every_documented_command_composes_a_valid_config(page: str, command: st
             pool_configs(cfg, overrides)
     except conf.ConfigError as exc:
         pytest.fail(f"{page}: `{command}` does not compose: {exc}")
+
+
+class Parsed(Exception):
+    """Raised in place of running a command, once its arguments have parsed."""
+
+
+def argparse_commands() -> list[tuple[str, str]]:
+    """(page, command) for every argparse command the README and docs/ show with arguments:
+    ``turnscale <eval|view|keys|bench|experiment|autoscale> ...`` and ``python -m turnscale.<module> ...``.
+    ``<placeholders>`` stand for a value (``<same overrides>`` for none); ``[a|b]`` is expanded into one command per choice;
+    ``[--flag x]`` (an optional part) is left out."""
+    found: dict[str, tuple[str, str]] = {}
+    for page in PAGES:
+        for line in code_lines(page.read_text(encoding="utf-8")):
+            m = re.match(r"^(?:\S*/)?turnscale (\w+) (.+)$", line) or re.match(r"^python -m (turnscale\.[\w.]+) (.+)$", line)
+            if not m or m.group(1) in HYDRA_ROLES or m.group(2).startswith("#"):
+                continue
+            line = re.sub(r" \[--[^\]]*\]", "", line)
+            choices = re.search(r"\[(\w+(?:\|\w+)+)\]", line)
+            for choice in choices.group(1).split("|") if choices else [None]:
+                cmd = line.replace(choices.group(0), choice) if choice else line
+                found.setdefault(cmd, (page.relative_to(ROOT).as_posix(), cmd))
+    return list(found.values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("page,command", argparse_commands(), ids=lambda v: v if v.endswith(".md") else "")
+def test_every_documented_argparse_command_parses(page: str, command: str, monkeypatch):
+    """Each command's words (as the shell splits them) go to its module's ``main`` exactly as the
+    CLI passes them; argparse must accept them (an unknown or renamed flag fails here), and the
+    ``KEY=VALUE`` overrides a role takes beside its flags must compose.  Nothing runs: parsing
+    raises ``Parsed`` instead of returning."""
+    import argparse
+    import importlib
+
+    from turnscale import cli
+
+    words = shlex.split(re.sub(r"<[^>]+>", "PLACEHOLDER", re.sub(r"<[^>]*overrides>", "", command)), comments=True)
+    if words[0] == "python":
+        module, argv = words[2], words[3:]
+    else:
+        module, argv = cli.ROLES[words[1]][0], words[2:]
+    inside = {"parse_args": False}
+    orig_args, orig_known = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+
+    def parse_args(self, args=None, namespace=None):
+        inside["parse_args"] = True
+        try:
+            ns = orig_args(self, args, namespace)
+        finally:
+            inside["parse_args"] = False
+        raise Parsed(ns)
+
+    def parse_known_args(self, args=None, namespace=None):
+        result = orig_known(self, args, namespace)
+        if inside["parse_args"]:
+            return result
+        raise Parsed(*result)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+    main = importlib.import_module(module).main
+    try:
+        main(argv)
+    except Parsed as parsed:
+        rest = parsed.args[1] if len(parsed.args) > 1 else []
+        # parse_known_args: what is left must be Hydra overrides (KEY=VALUE), and they must compose
+        bad = [a for a in rest if "=" not in a or a.startswith("-")]
+        assert not bad, f"{page}: `{command}`: unrecognized arguments {bad}"
+        if rest:
+            from turnscale import conf
+
+            conf.load(rest)
+        return
+    except SystemExit as exc:
+        pytest.fail(f"{page}: `{command}`: its arguments do not parse (exit {exc.code}; argparse said why above)")
+    pytest.fail(f"{page}: `{command}`: {module}.main returned without parsing arguments with argparse")
