@@ -721,17 +721,23 @@ def test_a_group_refused_as_busy_is_sent_again_and_trained():
     svc = LearnerService(cfg, ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule()))
     svc.linger_s, svc.announce_every_s = 0.5, 0.2
     refused: list[str] = []
+    taken: set[str] = set()
     handle = svc.handle
 
     def busy_twice(msg, identity=b""):
-        if isinstance(msg, TrajectoryGroup) and refused.count(msg.lease_id) < 2:
+        """The first two groups are refused twice each, then handled as usual."""
+        if isinstance(msg, TrajectoryGroup) and refused.count(msg.lease_id) < 2 and (
+                len(set(refused)) < 2 or msg.lease_id in refused):
             refused.append(msg.lease_id)
             return ErrorReply(code="busy", message="8 large messages wait to be decoded", retryable=True)
-        return handle(msg, identity)
+        reply = handle(msg, identity)
+        if isinstance(msg, TrajectoryGroup) and getattr(reply, "accepted", False):
+            taken.add(msg.lease_id)
+        return reply
 
     svc.handle = busy_twice
     actor = make_actor(cfg, FakeEnvClient(), ChecksumEngine(size=SIZE))
     run_to_shutdown(svc, actor)
-    assert trainer.step == 2 and refused
-    assert set(refused) <= set(trainer.trained)  # every group refused as busy was trained after all
+    assert trainer.step == 2 and len(refused) == 4
+    assert set(refused) <= taken  # every group refused as busy was accepted when sent again
     assert actor.stats.groups_resent == len(refused)
