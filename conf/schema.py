@@ -724,11 +724,19 @@ class PoolConfig:
     cpus_per_task: int = 2
     """``sbatch --cpus-per-task`` of each actor."""
     gres: str = ""
-    """``sbatch --gres`` (e.g. ``gpu:1``, ``npu:1``)."""
+    """``sbatch --gres`` (e.g. ``gpu:1``, ``npu:1``); empty with an ``accelerator``: generated."""
+    accelerator: str = ""
+    """``nvidia`` or ``ascend``: each actor gets ``devices`` of them: ``--gres=gpu:<devices>`` /
+    ``--gres=npu:<devices>`` (unless ``gres`` is set), its own devices (Slurm's allocation to
+    the task) in ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` unless already set, and
+    ``engine.device=cuda`` / ``npu`` (before ``overrides``).  Empty: CPU actors."""
+    devices: int = 1
+    """Accelerator devices per actor (with ``accelerator``)."""
     overrides: list[str] = field(default_factory=list)
     """Hydra overrides for this pool's actors (``engine=vllm``, ``engine.dtype=bfloat16``)."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment variables of this pool's actors (``ASCEND_RT_VISIBLE_DEVICES``)."""
+    """Environment variables of this pool's actors (set before the device variable, so one
+    named here wins)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and self.name.isascii() and self.name.replace("_", "").isalnum(), "slurm.pools[].name",

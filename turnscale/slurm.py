@@ -20,7 +20,10 @@ clash; actors learn the learner's other two ports from its ``Welcome``.
   server, publishing ``<dir>/envhub.url`` the same way; it stops the server and ends
   once ``learner.done`` appears (the run is over: actors have been told ``Shutdown``);
 - ``actors-<pool>.sbatch``: one job array per pool (``slurm.pools``; ``--array=0-(count-1)``,
-  the pool's ``-C``/``-p``/``--gres``, its engine overrides and environment); each task
+  the pool's ``-C``/``-p``/``--gres``, its engine overrides and environment; an
+  ``accelerator: nvidia|ascend`` pool gets ``--gres=gpu|npu:<devices>``, ``engine.device=cuda|npu``
+  and each task its own devices in ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``
+  from Slurm's allocation, ``_device_env``); each task
   waits (at most ``slurm.wait_s``) for the address files, then runs ``turnscale actor``
   with ``actor.pool=<pool>`` and ``actor.actor_id=<pool>-<array job>_<task>``, and stops
   it (SIGTERM) once ``learner.done`` appears: a learner that was cancelled (it checkpoints
@@ -185,7 +188,7 @@ def pool_configs(cfg: Config, overrides: Sequence[str]) -> dict[str, Config]:
     out = {}
     for pool in cfg.slurm.pools:
         try:
-            out[pool.name] = conf.load([*_job_overrides(overrides), *pool.overrides, f"actor.pool={pool.name}"])
+            out[pool.name] = conf.load([*_job_overrides(overrides), *_pool_overrides(pool), f"actor.pool={pool.name}"])
         except conf.ConfigError as exc:
             raise conf.ConfigError(f"slurm.pools[{pool.name}].overrides {list(pool.overrides)}: {exc}") from None
     return out
@@ -242,16 +245,57 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     return Scripts(files)
 
 
+ACCELERATORS = {"nvidia": ("gpu", "CUDA_VISIBLE_DEVICES", "cuda"), "ascend": ("npu", "ASCEND_RT_VISIBLE_DEVICES", "npu")}
+"""``PoolConfig.accelerator`` -> (Slurm gres name, the device variable, ``engine.device``)."""
+
+
+def pool_gres(pool: PoolConfig) -> str:
+    """``--gres`` of the pool's tasks: ``gres`` as given, else ``<gpu|npu>:<devices>`` for an accelerator pool."""
+    if pool.gres or not pool.accelerator:
+        return pool.gres
+    return f"{ACCELERATORS[pool.accelerator][0]}:{pool.devices}"
+
+
+def _pool_overrides(pool: PoolConfig) -> list[str]:
+    """The pool's actor overrides: ``engine.device`` of its accelerator, then its own ``overrides``."""
+    device = [f"engine.device={ACCELERATORS[pool.accelerator][2]}"] if pool.accelerator else []
+    return [*device, *pool.overrides]
+
+
+def _device_env(pool: PoolConfig) -> list[str]:
+    """Shell lines exporting the task's own devices (``CUDA_VISIBLE_DEVICES`` /
+    ``ASCEND_RT_VISIBLE_DEVICES``) from Slurm's allocation to this task (``scontrol show job -d``:
+    ``GRES=npu:2(IDX:2-3)`` -> ``2,3``), unless set already (by Slurm's gres plugin, or the
+    pool's ``env``); a task without such devices stops saying so."""
+    if not pool.accelerator:
+        return []
+    kind, var, _ = ACCELERATORS[pool.accelerator]
+    return [f'if [ -z "${{{var}:-}}" ]; then  # this task\'s {kind} devices, from its allocation',
+            f'  IDX=$(scontrol show job -d "${{SLURM_JOB_ID:-0}}" 2>/dev/null | grep -o "{kind}[^(, ]*(IDX:[^)]*)" '
+            "| head -n 1 | sed 's/.*IDX:\\([^)]*\\))/\\1/' || true)",
+            '  DEVS=""; IFS=, read -ra PARTS <<< "$IDX"',
+            '  for p in "${PARTS[@]}"; do if [[ $p =~ ^([0-9]+)-([0-9]+)$ ]]; then '
+            'for ((i=${BASH_REMATCH[1]}; i<=${BASH_REMATCH[2]}; i++)); do DEVS+="${DEVS:+,}$i"; done; '
+            'elif [[ $p =~ ^[0-9]+$ ]]; then DEVS+="${DEVS:+,}$p"; fi; done',
+            f'  [ -n "$DEVS" ] || {{ echo "pool {pool.name}: no {kind} in this task\'s allocation (scontrol show job -d '
+            f'${{SLURM_JOB_ID:-?}}); check the pool\'s gres ({pool_gres(pool)}) and the nodes\' gres.conf, or set {var} '
+            'in the pool\'s env" >&2; exit 1; }',
+            f"  export {var}=$DEVS",
+            "fi",
+            f'echo "{var}=${{{var}}}"']
+
+
 def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: list[str], common: list[str]) -> str:
     s = cfg.slurm
     array = f"0-{pool.count - 1}" if pool.count > 0 else ""
     lines = _sbatch_header(f"ts-actors-{pool.name}", f"{run}/logs/actors-{pool.name}-%A_%a.log",
                            partition=pool.partition or s.partition, account=s.account, time=s.time,
-                           cpus=pool.cpus_per_task, constraint=pool.constraint, gres=pool.gres, array=array)
+                           cpus=pool.cpus_per_task, constraint=pool.constraint, gres=pool_gres(pool), array=array)
     lines.append("#SBATCH --no-requeue  # a task lost with its node is replaced by SlurmBackend under a new actor id")
     lines += [f"# turnscale actors of pool {pool.name!r}: one actor per array task",
               "set -euo pipefail", f"cd {shlex.quote(workdir)}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(pool.env.items())]
+    lines += _device_env(pool)
     need = [f"{run}/learner.addr"] + ([] if s.env_url else [f"{run}/envhub.url"])
     lines += [f"for f in {_q(need)}; do",
               f"  for _ in $(seq {s.wait_s}); do [ -s \"$f\" ] && break; sleep 1; done",
@@ -261,7 +305,7 @@ def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: lis
     env_url = shlex.quote(s.env_url) if s.env_url else f"$(cat {shlex.quote(run + '/envhub.url')})"
     lines += [f"ENV_URL={env_url}",
               f'ACTOR_ID={pool.name}-${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-0}}}}_${{SLURM_ARRAY_TASK_ID:-0}}',
-              *_until_done(f"{_q(py)} actor {_q(common)} {_q(pool.overrides)} actor.pool={pool.name} "
+              *_until_done(f"{_q(py)} actor {_q(common)} {_q(_pool_overrides(pool))} actor.pool={pool.name} "
                            '"actor.learner_host=$LEARNER_HOST" "actor.learner_port=$LEARNER_PORT" "actor.env_url=$ENV_URL" '
                            '"actor.actor_id=$ACTOR_ID"', shlex.quote(f"{run}/learner.done"))]
     return "\n".join(lines) + "\n"

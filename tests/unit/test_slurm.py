@@ -470,3 +470,56 @@ def test_slurm_interface_names_the_address_published_and_bound(tmp_path):
     assert r.returncode == 1 and not argv and "slurm.interface=nosuch0: no IPv4 address on" in r.stderr
     with pytest.raises(conf.ConfigError, match="slurm.interface"):
         conf.load(["slurm.interface=eth0; rm -rf /"])
+
+
+ACCEL = ('slurm.pools=[{name:nvidia,count:2,accelerator:nvidia,devices:2,constraint:a100},'
+         '{name:ascend,count:2,accelerator:ascend,constraint:910b,overrides:["engine.dtype=bfloat16"]}]')
+
+
+def test_accelerator_pools_get_their_gres_device_and_each_task_its_own_devices(tmp_path):
+    """An Ascend pool used to get a constraint only: now ``accelerator: ascend`` gives
+    ``--gres=npu:<devices>``, ``engine.device=npu`` and each task ``ASCEND_RT_VISIBLE_DEVICES``
+    from its allocation (``scontrol show job -d``, faked here: ``IDX:2-3``), like an NVIDIA
+    pool's ``--gres=gpu:N`` and ``CUDA_VISIBLE_DEVICES``; a variable already set (by Slurm or
+    the pool's ``env``) is kept, and a task without devices stops saying so."""
+    run = tmp_path / "run"
+    overrides = [ACCEL, f"slurm.dir={run}", "slurm.python=/opt/ts/bin/python", "slurm.workdir=/src"]
+    cfg = conf.load(overrides)
+    files = slurm.render(cfg, overrides).files
+    nv, asc = files["actors-nvidia.sbatch"], files["actors-ascend.sbatch"]
+    assert "#SBATCH --gres=gpu:2" in nv and "#SBATCH --gres=npu:1" in asc and "#SBATCH --constraint=910b" in asc
+    assert "engine.device=cuda actor.pool=nvidia" in nv and "engine.device=npu engine.dtype=bfloat16 actor.pool=ascend" in asc
+    cfgs = slurm.pool_configs(cfg, overrides)
+    assert cfgs["ascend"].engine.device == "npu" and cfgs["ascend"].engine.dtype == "bfloat16"
+    assert cfgs["nvidia"].engine.device == "cuda"
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text('#!/bin/bash\necho "JobId=$4 JobName=ts-actors"\n'
+                                   'echo "   Nodes=n1 CPU_IDs=0-1 Mem=0 GRES=${FAKE_GRES}"\n')
+    fake = tmp_path / "fakepy"  # the stand-in actor prints its device variables and exits
+    fake.write_text('#!/bin/bash\necho "cuda=${CUDA_VISIBLE_DEVICES:-} npu=${ASCEND_RT_VISIBLE_DEVICES:-}"\n')
+    for f in (bin_ / "scontrol", fake):
+        f.chmod(0o755)
+    run.mkdir()
+    (run / "learner.addr").write_text("10.1.2.3 5555\n")
+    (run / "envhub.url").write_text("http://10.1.2.4:36001\n")
+
+    def task(pool: str, gres: str, extra_pools: str = ACCEL) -> subprocess.CompletedProcess:
+        o = [extra_pools, f"slurm.dir={run}", f"slurm.python={fake}", f"slurm.workdir={tmp_path}", "slurm.wait_s=2"]
+        p = tmp_path / f"{pool}.sh"
+        p.write_text(slurm.render(conf.load(o), o).files[f"actors-{pool}.sbatch"])
+        return subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30,
+                              env={"PATH": f"{bin_}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "FAKE_GRES": gres})
+
+    r = task("ascend", "npu:2(IDX:2-3)")
+    assert r.returncode == 0 and "npu=2,3" in r.stdout, (r.stdout, r.stderr)
+    r = task("nvidia", "gpu:a100:3(IDX:0,2,5-6),npu:1(IDX:4)")
+    assert r.returncode == 0 and "cuda=0,2,5,6 npu=" in r.stdout, (r.stdout, r.stderr)
+    r = task("ascend", "gpu:1(IDX:0)")
+    assert r.returncode == 1 and "pool ascend: no npu in this task's allocation" in r.stderr, r.stderr
+    mine = 'slurm.pools=[{name:ascend,accelerator:ascend,env:{ASCEND_RT_VISIBLE_DEVICES:"7"}}]'
+    r = task("ascend", "npu:1(IDX:0)", mine)
+    assert r.returncode == 0 and "npu=7" in r.stdout, (r.stdout, r.stderr)
+    with pytest.raises(conf.ConfigError, match=r"slurm.pools\[x\].accelerator"):
+        conf.load(["slurm.pools=[{name:x,accelerator:tpu}]"])
