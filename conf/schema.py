@@ -745,6 +745,9 @@ class PoolConfig:
         _require(0 <= self.min_actors <= self.max_actors, f"slurm.pools[{self.name}]", "needs 0 <= min_actors <= max_actors")
         _require(self.count >= 0 and self.cpus_per_task >= 1 and self.cost > 0, f"slurm.pools[{self.name}]",
                  "needs count >= 0, cpus_per_task >= 1, cost > 0")
+        _require(self.accelerator in ("", "nvidia", "ascend"), f"slurm.pools[{self.name}].accelerator",
+                 f"{self.accelerator!r} is not one of nvidia, ascend (empty: CPU actors)")
+        _require(self.devices >= 1, f"slurm.pools[{self.name}].devices", "must be >= 1")
 
 
 @dataclass(kw_only=True)
