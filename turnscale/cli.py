@@ -26,6 +26,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "actor": ("turnscale.actors.main", "one actor process: inference engine + episodes, pointed at a learner"),
     "run": ("turnscale.launch", "everything on one machine: envhub, learner, actors (embedded defaults)"),
     "eval": ("turnscale.evaluate", "success / Avg@k / Pass@k of a checkpoint on an env split"),
+    "export": ("turnscale.learner.export", "a learner checkpoint (sharded or not) as an HF model folder"),
     "experiment": ("turnscale.experiment", "ScalingInter-RL vs fixed turn limits: same budget, seeds, error bars"),
     "bench": ("turnscale.benchmarks.main", "throughput benchmarks, as ratios against in-run baselines"),
     "view": ("turnscale.viewer", "browse trajectories of a run directory in a local web app"),

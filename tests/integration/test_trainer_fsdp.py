@@ -96,7 +96,10 @@ def test_fsdp_on_two_ranks_takes_the_steps_of_one_process_publishes_its_bytes_an
         torch.testing.assert_close(resumed_on_one[k], got["state"][k], rtol=0, atol=ATOL, msg=k)
 
     # the sharded checkpoint exported to HF format in one process holds the step-2 policy
-    exported = checkpoint.export_hf(got["checkpoint"], str(tmp_path / "hf"))
+    from turnscale.learner.export import main as export
+
+    exported = str(tmp_path / "hf")
+    assert export([os.path.dirname(got["checkpoint"]), exported]) == 0  # checkpoints/: the newest, step 2
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
