@@ -6,7 +6,8 @@ tests/integration/test_slurm_cluster.py and tests/integration/test_slurm_nodes.p
   job process and no namespace survived; on a failure it prints the run's logs, slurmctld's
   tail (and ``sinfo`` with namespaces) before the error goes on.
 - ``run_overrides`` + ``submit``: a tiny training run through ``turnscale slurm`` (CURVE off,
-  two-turn episodes, 16 new tokens); ``wait_for`` bounds every wait; ``wait_started`` waits
+  two-turn episodes, 16 new tokens); ``learner_address`` reads the address the learner job
+  published (it picks a free port); ``wait_for`` bounds every wait; ``wait_started`` waits
   for the learner's first step with one actor.
 """
 
@@ -58,14 +59,13 @@ def slurm_session(c: FakeSlurm, start_s: float, *, run: Path | None = None,
             assert not netns.leftovers(net.prefix), netns.leftovers(net.prefix)
 
 
-def run_overrides(run: Path, ports: Sequence[int], model_dir: str, *, pools: str, steps: int, groups_per_step: int,
+def run_overrides(run: Path, model_dir: str, *, pools: str, steps: int, groups_per_step: int,
                   max_groups: int, extra: Sequence[str] = ()) -> list[str]:
-    """``turnscale slurm`` overrides for a tiny run in ``run`` (``ports``: learner, pub, weights,
-    envhub); ``extra`` adds keys the base does not set."""
+    """``turnscale slurm`` overrides for a tiny run in ``run`` (the jobs pick free ports on
+    their node: ``learner_address`` reads the learner's); ``extra`` adds keys the base does not set."""
     return [
         f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
         "slurm.envhub_cpus=1", "slurm.wait_s=300", f"slurm.pools={pools}",
-        f"learner.port={ports[0]}", f"learner.pub_port={ports[1]}", f"learner.weights_port={ports[2]}", f"env.port={ports[3]}",
         f"model.path={model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
         "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", f"learner.groups_per_step={groups_per_step}",
         "learner.max_staleness=1", f"learner.steps={steps}", "learner.heartbeat_interval_s=1", "logger.tensorboard=false",
@@ -80,6 +80,14 @@ def submit(c: FakeSlurm, overrides: Sequence[str]) -> str:
                          text=True, timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
+
+
+def learner_address(run: Path, timeout_s: float = 180) -> tuple[str, int]:
+    """``(host, port)`` the learner job published in ``<run>/learner.addr`` (waited for)."""
+    text = wait_for(lambda: (run / "learner.addr").exists() and (run / "learner.addr").read_text().strip(), timeout_s,
+                    "learner.addr")
+    host, port = text.split()
+    return host, int(port)
 
 
 def learner_job(stdout: str) -> str:

@@ -128,12 +128,13 @@ def _pick_ports(names: Sequence[str], fixed: Sequence[int], free: bool) -> list[
     """Shell lines setting the variables ``names`` to TCP ports: with ``free`` (``slurm.free_ports``)
     ports that no socket of this node uses now (``/proc/net/tcp*``, any state), outside the
     kernel's ephemeral range (which outgoing connections draw from) and distinct; else ``fixed``.
+    The seed stays below 2**30 (awk clamps a larger one: every job on a node drew the same ports).
     The pick happens when the job starts, on its node, so two runs sharing a node do not
     clash (a port taken between the pick and the bind makes the role fail to bind: rare)."""
     if not free:
         return [f"{n}={p}" for n, p in zip(names, fixed)]
     return ["read -r LO HI < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || { LO=32768; HI=60999; }",
-            f"PORTS=$(awk -v n={len(names)} -v lo=\"$LO\" -v hi=\"$HI\" -v seed=\"$RANDOM$$\" "
+            f"PORTS=$(awk -v n={len(names)} -v lo=\"$LO\" -v hi=\"$HI\" -v seed=\"$(( (RANDOM << 15 | RANDOM) ^ $$ ))\" "
             f"{shlex.quote(_PICK_PORTS_AWK)} /proc/net/tcp /proc/net/tcp6 2>/dev/null || true)",
             f"read -r {' '.join(names)} <<< \"$PORTS\"",
             f'[ -n "${{{names[-1]}:-}}" ] || {{ echo "no free TCP ports on $(hostname) (/proc/net/tcp)" >&2; exit 1; }}']

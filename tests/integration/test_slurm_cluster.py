@@ -21,10 +21,9 @@ import pytest
 
 from turnscale.cluster import netns
 from turnscale.cluster.slurm import FakeSlurm, Node, available
-from turnscale.protocol.transport import free_port
 from turnscale.slurm import parse_actor_id
 from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
-from tests.slurm_fixtures import learner_job, run_logs, run_overrides, slurm_session, submit, wait_for, wait_started
+from tests.slurm_fixtures import learner_address, learner_job, learner_log, run_logs, run_overrides, slurm_session, submit, wait_for, wait_started
 
 OK, WHY = available()
 STEPS = 4
@@ -36,10 +35,9 @@ STEPS = 4
 def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny_model_dir):
     c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu", "cpu2"), cpus=8)])
     run = tmp_path / "run"
-    ports = [free_port() for _ in range(4)]
     pools = ('[{name:cpu,count:1,constraint:cpu,cpus_per_task:1},'
              '{name:cpu2,count:1,constraint:cpu2,cpus_per_task:1,overrides:["engine.max_batch=2"]}]')
-    overrides = run_overrides(run, ports, tiny_model_dir, pools=pools, steps=STEPS, groups_per_step=2, max_groups=2,
+    overrides = run_overrides(run, tiny_model_dir, pools=pools, steps=STEPS, groups_per_step=2, max_groups=2,
                               extra=["slurm.learner_ranks=2"])  # one learner job, two ranks (torchrun)
     with slurm_session(c, 90, run=run):
         assert "actors-cpu2.sbatch: job" in submit(c, overrides)
@@ -50,7 +48,8 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
         metrics = read_jsonl(run / "learner" / "metrics.jsonl")
         assert metrics and metrics[-1]["step"] == STEPS, run_logs(run)
         assert all(m["perf/learner_ranks"] == 2 for m in metrics), run_logs(run)
-        assert (run / "learner.addr").read_text().split()[1] == str(ports[0])
+        port = int((run / "learner.addr").read_text().split()[1])  # picked free on the node, and the one bound
+        assert port != 5555 and f"control tcp://0.0.0.0:{port}" in learner_log(run), learner_log(run)
         trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
         pools = {parse_actor_id(t["actor_id"])[0] for t in trajs if t["accepted"]}
         assert pools == {"cpu", "cpu2"}, pools
@@ -79,13 +78,12 @@ def test_autoscaler_adds_an_actor_through_sbatch_and_drains_one_on_slurm(tmp_pat
 
     c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=8)])
     run = tmp_path / "run"
-    ports = [free_port() for _ in range(4)]
-    overrides = run_overrides(run, ports, tiny_model_dir, pools="[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
+    overrides = run_overrides(run, tiny_model_dir, pools="[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
                               steps=100000, groups_per_step=2, max_groups=1)
     with slurm_session(c, 90, run=run) as hold:
         job = learner_job(submit(c, overrides))
-        wait_for(lambda: (run / "learner.addr").exists(), 120, "learner.addr")
-        control = hold(LearnerControl("127.0.0.1", ports[0], timeout_s=30))
+        _, port = learner_address(run)
+        control = hold(LearnerControl("127.0.0.1", port, timeout_s=30))
         wait_started(control)
 
         def sbatch(cmd):

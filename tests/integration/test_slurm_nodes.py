@@ -14,7 +14,7 @@ import pytest
 
 from turnscale.cluster import netns
 from turnscale.cluster.slurm import FakeSlurm, Node, available
-from tests.slurm_fixtures import learner_job, learner_log, run_overrides, slurm_session, submit, wait_for, wait_started
+from tests.slurm_fixtures import learner_address, learner_job, learner_log, run_overrides, slurm_session, submit, wait_for, wait_started
 
 OK, WHY = available()
 NS_OK, NS_WHY = netns.available()
@@ -111,7 +111,6 @@ def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces
     ``lease_ttl_s``, ``Autoscaler.tick`` (``SlurmBackend.refresh`` from squeue) submits a
     replacement that runs on the other cpu node and trains; nothing is trained twice."""
     from turnscale.control import Autoscaler, LearnerControl
-    from turnscale.protocol.transport import free_port
     from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
     from turnscale.slurm import SlurmBackend
     from tests.integration.test_failures import check_groups, check_ledger, read_jsonl
@@ -120,16 +119,14 @@ def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces
     c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("svc",), cpus=2), Node("n2", ("cpu",), cpus=1),
                                        Node("n3", ("cpu",), cpus=1)], net=net)
     run = tmp_path / "run"
-    ports = [free_port() for _ in range(4)]
-    overrides = run_overrides(run, ports, tiny_model_dir, pools="[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
+    overrides = run_overrides(run, tiny_model_dir, pools="[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
                               steps=100000, groups_per_step=1, max_groups=1,
                               extra=["slurm.learner_constraint=svc", "learner.lease_ttl_s=15", "actor.weights_shm=false"])
     with slurm_session(c, 120, run=run, net=net) as hold:
         job = learner_job(submit(c, overrides))
-        wait_for(lambda: (run / "learner.addr").exists(), 180, "learner.addr")
-        host = (run / "learner.addr").read_text().split()[0]
+        host, port = learner_address(run)
         assert host == net.addr("n1")
-        control = hold(LearnerControl(host, ports[0], timeout_s=30))
+        control = hold(LearnerControl(host, port, timeout_s=30))
         wait_started(control)
         first = control.status().actors[0].actor_id
         where = _where(c, "cpu")

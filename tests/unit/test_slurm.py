@@ -434,7 +434,7 @@ def test_learner_and_envhub_pick_free_ports_on_their_node_and_publish_them(tmp_p
     busy.listen()
     lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     seen = set()
-    for _ in range(3):
+    for _ in range(5):
         r, argv = _run_learner_script(tmp_path)
         assert r.returncode == 0, r.stderr
         ports = [int(_arg(argv, f"learner.{k}")) for k in ("port", "pub_port", "weights_port")]
@@ -444,7 +444,7 @@ def test_learner_and_envhub_pick_free_ports_on_their_node_and_publish_them(tmp_p
         assert _arg(argv, "learner.host") == "0.0.0.0"
         seen.add(ports[0])
     busy.close()
-    assert len(seen) > 1  # picked at random, not one fixed port
+    assert len(seen) == 5  # at random per job (a saturated awk seed gave every job on a node the same ports)
     r, argv = _run_learner_script(tmp_path, "slurm.free_ports=false", "learner.port=6001")
     assert _arg(argv, "learner.port") == "6001" and _arg(argv, "learner.pub_port") == "5556"
     assert (tmp_path / "run/learner.addr").read_text().split()[1] == "6001"
