@@ -117,6 +117,8 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
     conf.save(cfg, os.path.join(lc.dir, "config.yaml"))  # the resolved config, next to checkpoints/
     model_path = await trio.to_thread.run_sync(resolve_model_path, cfg, play)
     if channel is None:
+        if lc.strategy == "fsdp":
+            log.info("learner.strategy=fsdp on one rank: nothing to shard (start several ranks with torchrun)")
         trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
         return await _serve(cfg, trainer, model_path)
     from turnscale.protocol.messages import RankStart
@@ -126,7 +128,8 @@ async def run(cfg: Config, play: EnvPlay | None = None) -> int:
         await trio.to_thread.run_sync(channel.broadcast, RankStart(model_path=model_path, world_size=channel.world))
         trainer = await trio.to_thread.run_sync(Trainer, cfg, model_path)
         ranked = ranks.RankedTrainer(trainer, channel, lc.rank_timeout_s)
-        log.info("learner rank 0 of %d: rank 0 serves, every rank trains its share of each step", channel.world)
+        log.info("learner rank 0 of %d: rank 0 serves, every rank trains its share of each step (learner.strategy=%s)",
+                 channel.world, lc.strategy)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ranked.watch, name="ranks")  # a follower lost while idle ends the run
             code = await _serve(cfg, ranked, model_path)

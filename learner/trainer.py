@@ -87,6 +87,7 @@ reports none (an empty list).
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -198,9 +199,10 @@ class Trainer:
         self.temperature = float(cfg.sampling.temperature)
         self.total_steps = int(total_steps if total_steps is not None else cfg.learner.steps)
         self.step = 0
-        self.accelerator = make_accelerator(cfg.learner.device, cfg.model.dtype if cfg.learner.strategy == "ddp" else "float32")
+        shard = cfg.learner.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        self.accelerator = make_accelerator(cfg.learner.device, "float32" if shard else cfg.model.dtype)  # FSDP: its own policy
         self.device = self.accelerator.device
-        self.sharded = cfg.learner.strategy == "fsdp" and self.accelerator.num_processes > 1
+        self.sharded = shard and self.accelerator.num_processes > 1
         """FSDP2 (``learner.fsdp``): parameters, gradients and optimizer state sharded over ranks."""
         set_seed(cfg.learner.seed)
 

@@ -93,9 +93,34 @@ def rank0(cfg: Config, channel, model_dir: str, out: str) -> None:
     ranked.stop("done")
 
 
+def memory_batch():
+    """One small GRPO group per rank of a 4-rank job (enough for one optimizer step)."""
+    return synthetic_groups(4, 2, vocab=1000, prompt_len=8, turns=1, tokens_per_turn=6, obs_len=2, seed=3)
+
+
+def memory(model_dir: str, out: str) -> None:
+    """Each rank of a 4-rank FSDP trainer takes one step on its group and writes the bytes it
+    holds for parameters, gradients and optimizer state to ``<out>.<rank>.json``."""
+    import json
+
+    from turnscale.learner import fsdp
+    from turnscale.learner.trainer import Trainer
+
+    cfg = config("grpo")
+    cfg.algo.kl_coef = 0.0
+    tr = Trainer(cfg, model_dir)
+    rank, world = tr.accelerator.process_index, tr.accelerator.num_processes
+    m = tr.train_step(memory_batch()[rank::world])
+    assert tr.sharded and tr.step == 1, m
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(fsdp.local_bytes(tr.params, tr.optimizer), f)
+
+
 def main(model_dir: str, out: str, mode: str) -> None:
     from turnscale.learner import ranks
 
+    if mode == "memory":
+        return memory(model_dir, out)
     cfg = config(mode)
     channel = ranks.connect(cfg)
     assert channel is not None and channel.world == 2

@@ -27,16 +27,16 @@ ATOL = 2e-5
 sums them in another order; fp32 rounding differences stay ~1e-6 (the DDP test's bound is 1e-5)."""
 
 
-def _run_ranks(tmp_path, model_dir: str, mode: str) -> dict:
+def _run_ranks(tmp_path, model_dir: str, mode: str, ranks: int = 2) -> str:
     out = tmp_path / "out.pt"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "TMPDIR": str(tmp_path),
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), os.path.join(os.path.dirname(__file__), "fsdp_worker.py"), model_dir,
            str(out), mode]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return torch.load(out, weights_only=True)
+    return str(out)
 
 
 def _publish(state: dict, dtype: str) -> tuple[bytes, list[int]]:
@@ -45,11 +45,10 @@ def _publish(state: dict, dtype: str) -> tuple[bytes, list[int]]:
         return bytes(pub._versions[1].buf[:manifest.total_bytes]), [c.checksum for c in manifest.chunks]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["grpo", "ppo"])
 def test_fsdp_on_two_ranks_takes_the_steps_of_one_process_publishes_its_bytes_and_resumes_exactly(tmp_path, mode):
     model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
-    got = _run_ranks(tmp_path, model_dir, mode)
+    got = torch.load(_run_ranks(tmp_path, model_dir, mode), weights_only=True)
     assert got["layers_sharded"] == 2 and got["checkpointing"] == (mode == "ppo")
 
     cfg = fsdp_worker.config(mode)
@@ -125,3 +124,27 @@ def test_two_rank_fsdp_learner_publishes_the_weights_of_a_one_rank_learner_also_
     assert one.keys() == two.keys()
     for k in one:  # the bound of test_learner_ranks (DDP): float32 summation order only
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_each_of_four_fsdp_ranks_holds_under_a_third_of_a_replicas_training_state(tmp_path):
+    """A 50M-parameter Qwen2-architecture model: after one optimizer step each of 4 ranks holds
+    1/4 of every parameter, gradient and AdamW moment (plus each parameter's step counter and
+    uneven last shards), counted from its local tensors; a replica (one DDP rank) holds all."""
+    import json
+
+    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=512, layers=12, heads=8, kv_heads=2, intermediate=1536,
+                                 vocab=1000 * 32)
+    out = _run_ranks(tmp_path, model_dir, "memory", ranks=4)
+    cfg = fsdp_worker.config("grpo")
+    cfg.algo.kl_coef = 0.0
+    single = Trainer(cfg, model_dir)
+    assert sum(p.numel() for p in single.params) >= 50_000_000
+    single.train_step(fsdp_worker.memory_batch()[:1])
+    replica = fsdp.local_bytes(single.params, single.optimizer)
+    for rank in range(4):
+        with open(f"{out}.{rank}.json") as f:
+            held = json.load(f)
+        for part in ("parameters", "gradients", "optimizer"):
+            assert held[part] <= 0.3 * replica[part], (rank, part, held, replica)
+        assert sum(held.values()) >= 0.24 * sum(replica.values())  # the shards are really held
