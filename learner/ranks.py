@@ -280,31 +280,39 @@ class RankedTrainer:
 
     def gather(self, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Sharded: ``(name, whole tensor)`` in state-dict order, gathered with every rank
-        (``RankCollective(kind="publish")``); the channel is held until the last one.  Stopped
-        early, it still runs the remaining gathers (discarding them): the followers run them all."""
+        (``RankCollective(kind="publish")``).  The channel is held from the first gather to
+        the last, and released before the last tensor is handed out: a reader that stops
+        pulling once it has every tensor (``zip`` with the names does) leaves nothing held.
+        One tensor is gathered ahead of the one handed out (two whole tensors at most).  A
+        reader that stops early still gets the remaining gathers run (discarded): the
+        followers run them all."""
         from turnscale.learner import fsdp
 
-        with self._lock:
+        self._lock.acquire()
+        held = True
+        try:
             self._check()
             self.channel.broadcast(RankCollective(kind="publish", step=self.trainer.step, dtype=dtype))
             items = fsdp.gathered_state(self.trainer.model, dtype)
-            try:
-                while True:
-                    try:
-                        item = self._collective("gathering the weights", next, items, None)
-                    except BaseException:
-                        items.close()
-                        raise
-                    if item is None:
-                        return
-                    try:
-                        yield item
-                    except GeneratorExit:
+            pending = self._collective("gathering the weights", next, items, None)
+            while pending is not None:
+                following = self._collective("gathering the weights", next, items, None)
+                if following is None:
+                    self._last_sent = time.monotonic()
+                    self._lock.release()
+                    held = False
+                try:
+                    yield pending
+                except GeneratorExit:
+                    if held:
                         for _ in items:  # keep in step with the followers
                             pass
-                        raise
-            finally:
+                    raise
+                pending = following
+        finally:
+            if held:
                 self._last_sent = time.monotonic()
+                self._lock.release()
 
     def _collective(self, doing: str, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, a collective: a lost rank's error as ``RankError``."""
@@ -379,7 +387,7 @@ class GatheredState(Mapping[str, torch.Tensor]):
     gathering (``fsdp.state_shapes``: enough for ``protocol.weights.layout``); ``values()``
     gathers them one at a time with every rank (``RankedTrainer.gather``), cast to ``dtype``
     on CPU, so the publisher writes each into its buffer as it arrives and rank 0's extra
-    memory is one tensor.  Read ``values()`` once, to the end."""
+    memory is two tensors (one gathered ahead).  Read ``values()`` once."""
 
     def __init__(self, ranked: RankedTrainer, dtype: str) -> None:
         from turnscale.learner import fsdp

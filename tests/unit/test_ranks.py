@@ -179,8 +179,10 @@ def test_sharded_publication_lays_out_without_gathering_then_gathers_with_every_
         sd = ranked.state_dict_for_publish("bfloat16")
         infos, total = layout(sd, "bfloat16")
         assert [i.name for i in infos] == ["weight", "bias"] and total == 16 and ch.sent == []  # nothing gathered yet
-        values = list(sd.values())
+        values = [t for _, t in zip(list(sd), sd.values())]  # as the publisher reads it: stops at the last name
         assert ch.sent == [(1, RankCollective(kind="publish", step=0, dtype="bfloat16"))]
+        assert ranked._lock.acquire(blocking=False)  # the channel is free once the last tensor is out
+        ranked._lock.release()
         assert [v.dtype for v in values] == [torch.bfloat16] * 2
         assert torch.equal(values[0], tr.model.weight.detach().to(torch.bfloat16))
         ranked.state_writer()("/ckpt/.tmp-step-1")
