@@ -455,6 +455,10 @@ class FsdpConfig:
     ``bfloat16`` on cuda/npu and ``float32`` on cpu; or ``float32``, ``bfloat16``, ``float16``."""
     reduce_dtype: str = "float32"
     """Dtype of the gradient reduce-scatter across ranks."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's
+    ``CPUOffloadPolicy``): each unit is copied to the device for its forward and backward,
+    and the optimizer steps on the CPU.  Less device memory, slower steps."""
 
     def __post_init__(self) -> None:
         _require(self.param_dtype == "auto" or self.param_dtype in FLOAT_DTYPES, "learner.fsdp.param_dtype",

@@ -49,15 +49,25 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
-def shard(module: nn.Module, mp: Any, *, per_layer: bool = True) -> nn.Module:
+def offload(fsdp_cfg: Any, device: str) -> Any:
+    """The ``OffloadPolicy`` of ``learner.fsdp.cpu_offload`` (pinned host memory off CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not fsdp_cfg.cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.partition(":")[0] != "cpu")
+
+
+def shard(module: nn.Module, mp: Any, *, offload_policy: Any = None, per_layer: bool = True) -> nn.Module:
     """``fully_shard`` each decoder layer (``per_layer``), then ``module`` itself; returns it
     (FSDP2 shards in place: names and the HF class stay, the parameters become DTensors)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
+    kw = {"mp_policy": mp, "offload_policy": offload_policy or OffloadPolicy()}
     if per_layer:
         for layer in decoder_layers(module):
-            fully_shard(layer, mp_policy=mp)
-    fully_shard(module, mp_policy=mp)
+            fully_shard(layer, **kw)
+    fully_shard(module, **kw)
     return module
 
 

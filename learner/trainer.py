@@ -255,7 +255,8 @@ class Trainer:
         from turnscale.learner import fsdp
 
         lc = self.cfg.learner
-        return fsdp.shard(module.to(self.device), fsdp.mixed_precision(lc.fsdp, lc.device))
+        return fsdp.shard(module.to(self.device), fsdp.mixed_precision(lc.fsdp, lc.device),
+                          offload_policy=fsdp.offload(lc.fsdp, lc.device))
 
     # ------------------------------------------------------------------ public API
 

@@ -43,6 +43,7 @@ def config(mode: str) -> Config:
     if mode == "grpo":
         cfg.algo.kl_coef = 0.05  # a sharded reference model too
         cfg.algo.loss_agg = "seq_mean_token_mean"
+        cfg.learner.fsdp.cpu_offload = True  # the offload policy's code path (on CPU the same memory)
     if mode == "ppo":
         cfg.learner.activation_checkpointing = True  # recomputed in the backward: the same step
     cfg.learner.strategy = "fsdp"
