@@ -58,12 +58,22 @@ def offload(fsdp_cfg: Any, device: str) -> Any:
     return CPUOffloadPolicy(pin_memory=device.partition(":")[0] != "cpu")
 
 
-def shard(module: nn.Module, mp: Any, *, offload_policy: Any = None, per_layer: bool = True) -> nn.Module:
-    """``fully_shard`` each decoder layer (``per_layer``), then ``module`` itself; returns it
-    (FSDP2 shards in place: names and the HF class stay, the parameters become DTensors)."""
+def device_mesh(device: torch.device) -> Any:
+    """The 1-D mesh of every rank on ``device``'s type (``cpu``: gloo, ``cuda``: NCCL, ``npu``:
+    HCCL; the default process group), named explicitly so FSDP never guesses the type."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def shard(module: nn.Module, mp: Any, *, mesh: Any = None, offload_policy: Any = None, per_layer: bool = True) -> nn.Module:
+    """``fully_shard`` each decoder layer (``per_layer``), then ``module`` itself, over ``mesh``
+    (None: FSDP's default); returns it (FSDP2 shards in place: names and the HF class stay,
+    the parameters become DTensors)."""
     from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
-    kw = {"mp_policy": mp, "offload_policy": offload_policy or OffloadPolicy()}
+    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload_policy or OffloadPolicy()}
     if per_layer:
         for layer in decoder_layers(module):
             fully_shard(layer, **kw)

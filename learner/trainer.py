@@ -204,6 +204,8 @@ class Trainer:
         self.device = self.accelerator.device
         self.sharded = shard and self.accelerator.num_processes > 1
         """FSDP2 (``learner.fsdp``): parameters, gradients and optimizer state sharded over ranks."""
+        self._mesh: Any = None
+        """The ranks' device mesh (sharded only; made with the first sharded module)."""
         set_seed(cfg.learner.seed)
 
         self.packing = cfg.algo.packing
@@ -255,7 +257,9 @@ class Trainer:
         from turnscale.learner import fsdp
 
         lc = self.cfg.learner
-        return fsdp.shard(module.to(self.device), fsdp.mixed_precision(lc.fsdp, lc.device),
+        if self._mesh is None:
+            self._mesh = fsdp.device_mesh(self.device)
+        return fsdp.shard(module.to(self.device), fsdp.mixed_precision(lc.fsdp, lc.device), mesh=self._mesh,
                           offload_policy=fsdp.offload(lc.fsdp, lc.device))
 
     # ------------------------------------------------------------------ public API
