@@ -78,7 +78,7 @@ def _cmd(out: Path, lever: str, seed: int, steps: int) -> list[str]:
 
 def run_all(out: Path, levers: Sequence[str], seeds: Sequence[int], steps: int, parallel: int, timeout_s: float) -> None:
     """Each (lever, seed) once, ``parallel`` at a time, each bounded by ``timeout_s``."""
-    todo = [(lv, s) for s in seeds for lv in levers if not (out / f"{lv}-s{s}" / "summary.json").exists()]
+    todo = [(lv, s) for s in seeds for lv in levers if _finished(out / f"{lv}-s{s}" / "summary.json") is None]
     running: list[tuple[subprocess.Popen, float, str]] = []
     while todo or running:
         while todo and len(running) < parallel:
@@ -96,14 +96,22 @@ def run_all(out: Path, levers: Sequence[str], seeds: Sequence[int], steps: int, 
                 print(f"{name}: rc {p.returncode} after {time.monotonic() - t0:.0f} s", flush=True)
 
 
+def _finished(path: Path) -> dict | None:
+    """The summary of a run that finished (a stopped run's ``summary.json`` has ``stopped``
+    set and is left out: the study runs it again)."""
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    return None if doc.get("stopped") or not doc.get("final") else doc
+
+
 def collect(out: Path, levers: Sequence[str], seeds: Sequence[int]) -> list[dict]:
     rows = []
     for lv in levers:
         runs = []
         for s in seeds:
-            path = out / f"{lv}-s{s}" / "summary.json"
-            if path.exists():
-                doc = json.loads(path.read_text())
+            doc = _finished(out / f"{lv}-s{s}" / "summary.json")
+            if doc is not None:
                 runs.append({"seed": s, "warm": doc["warm_start"]["success"], "final": doc["final"]["success"],
                              "wall_s": doc["wall_s"], "by_level": doc["final"].get("by_category", {})})
         if runs:

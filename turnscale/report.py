@@ -101,12 +101,18 @@ def write_plots(run_dir: Path, rows: list[dict] | None = None) -> list[Path]:
 
 def summary_table(summary: dict) -> str:
     """The table printed at the end of ``turnscale run``."""
+    def success(key: str) -> str:
+        return f"{summary[key]['success']:.3f}" if summary.get(key) else "not evaluated"
+
+    planned = summary.get("steps_planned")
     rows = [
-        ("held-out success, warm start", f"{summary['warm_start']['success']:.3f}"),
-        ("held-out success, after RL", f"{summary['final']['success']:.3f}"),
-        ("learner steps", str(summary["steps"])),
+        ("held-out success, warm start", success("warm_start")),
+        ("held-out success, after RL", success("final")),
+        ("learner steps", f"{summary['steps']}" + (f" of {planned}" if planned and planned != summary["steps"] else "")),
         ("wall time", f"{summary['wall_s']:.0f} s"),
     ]
+    if summary.get("stopped"):
+        rows.insert(0, ("run", summary["stopped"]))
     for k, v in summary.get("extra", {}).items():
         rows.append((k, str(v)))
     w = max(len(r[0]) for r in rows)

@@ -33,7 +33,7 @@ def test_short_run_writes_summary_plots_metrics_trajectories_and_checkpoint_and_
     summary = _run(run_dir, "algo.lr=0", "learner.steps=4", "schedule.every=2", "run.warm_start.steps=3", "run.warm_start.episodes=30",
                    "run.warm_start.rounds=2", "run.warm_start.probe_tasks_per_level=2",
                    "run.test_seeds=1000:1002", "run.eval_samples=1", "logger.console_every_s=0", timeout=540)
-    assert summary["steps"] == 4
+    assert summary["steps"] == 4 and summary["stopped"] is None
     for key in ("warm_start", "final"):
         assert 0.0 <= summary[key]["success"] <= 1.0
         assert summary[key]["episodes"] + summary[key]["errors"] == 10  # 5 levels x 2 seeds
