@@ -841,8 +841,16 @@ class RunConfig:
     """``algo.loss_agg`` when the fit stretches the turn limits (empty: keep ``algo.loss_agg``).
     Long multi-turn failures outweigh short successes under a plain token mean; on a
     KeyInBox mix stretched to 16 turns, token_mean collapsed (docs/results.md, "Other level mixes")."""
-    timeout_s: float = 1800.0
-    """The whole run is stopped (children by pid) after this long."""
+    timeout_s: float = 0.0
+    """Wall-clock limit of one ``turnscale run`` invocation, in seconds; 0 (default): none.
+    When it passes, training stops gracefully (the learner checkpoints), the newest
+    checkpoint is still evaluated held out, and ``summary.json`` says
+    ``stopped: time limit after step N of M``; ``run.resume=true`` continues from there."""
+    resume: bool = False
+    """Continue a stopped run in ``run.dir`` from its checkpoint: the phases already done
+    (task files, recipe fit, warm start, its evaluation) are skipped, and the stopped run's
+    own configuration (``<run.dir>/run_config.yaml``) is used, except ``run.timeout_s`` and
+    ``logger.console_every_s`` from this command line."""
     actor_python: str = ""
     """Python interpreter of the processes that run the engine (actors and evaluations);
     empty: the launcher's own.  ``engine=vllm`` on CPU: ``.venv-vllm/bin/python``
@@ -851,6 +859,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require(self.actors >= 1, "run.actors", "must be >= 1")
         _require(self.adapt_max_turns >= 1, "run.adapt_max_turns", "must be >= 1")
+        _require(self.timeout_s >= 0, "run.timeout_s", "must be >= 0 seconds (0: no time limit)")
         _require(self.adapt_loss_agg in ("", "token_mean", "seq_mean_token_mean"), "run.adapt_loss_agg",
                  f"{self.adapt_loss_agg!r}; choose '', token_mean or seq_mean_token_mean")
         for key in ("warmup_seeds", "train_seeds", "test_seeds"):
