@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -279,17 +280,25 @@ def run(args: argparse.Namespace) -> list[Result]:
           f"per request, every host link capped at "
           f"{args.fanout_rate:g} Mbit/s; pullers are pull-only clients (the actor's pull_stream + RelayServer), "
           f"not full actors (16 of those do not fit 2 cores)", flush=True)
-    log_dir = tempfile.mkdtemp(prefix="turnscale-fanout-")
+    log_dir = tempfile.mkdtemp(prefix="turnscale-fanout-")  # removed after a clean run, kept (and named) after a failure
     got: dict[tuple[int | None, int], dict] = {}
-    with Cluster(["L", *[f"h{i}" for i in range(max(ns))]], rate_mbit=args.fanout_rate) as c:
-        for n in ns:
-            for k in [None, *ks]:
-                got[(k, n)] = m = measure(c, n, k, args, log_dir)
-                name = "star" if k is None else f"relay k={k}"
-                print(f"  {name:<11} N={n:<3} {m['s']:.3f}s  egress {m['egress']:.2f} copies  chunks from relays "
-                      f"{m['from_relays']}, from learner {m['from_learner']}, fallbacks {m['fallbacks']}; CPU s/version: "
-                      f"pullers {m['cpu_pullers']:.2f}, publisher {m['cpu_publisher']:.2f}, machine {m['cpu_machine']:.2f} "
-                      f"of {m['cpu_available']:.2f} available", flush=True)
+    clean = False
+    try:
+        with Cluster(["L", *[f"h{i}" for i in range(max(ns))]], rate_mbit=args.fanout_rate) as c:
+            for n in ns:
+                for k in [None, *ks]:
+                    got[(k, n)] = m = measure(c, n, k, args, log_dir)
+                    name = "star" if k is None else f"relay k={k}"
+                    print(f"  {name:<11} N={n:<3} {m['s']:.3f}s  egress {m['egress']:.2f} copies  chunks from relays "
+                          f"{m['from_relays']}, from learner {m['from_learner']}, fallbacks {m['fallbacks']}; CPU s/version: "
+                          f"pullers {m['cpu_pullers']:.2f}, publisher {m['cpu_publisher']:.2f}, machine {m['cpu_machine']:.2f} "
+                          f"of {m['cpu_available']:.2f} available", flush=True)
+        clean = True
+    finally:
+        if clean:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            print(f"fanout: the processes' logs are in {log_dir}", flush=True)
     n0, results = ns[0], []
     one = args.fanout_mb * 8 / args.fanout_rate
     print(f"fanout: ideal one pull = {one:.3f}s at the link cap; star ideal ~N x that, relay ~1x", flush=True)

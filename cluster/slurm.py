@@ -7,7 +7,8 @@ GRES does not register in this setup).  Without ``net`` nodes are declared on th
 address, one slurmd each with its own port (``NodeName=... Port=``): use one node there
 (several slurmd on one address need Slurm's multiple-slurmd build); several nodes take
 ``net`` (below).  Everything lives
-in one folder; commands (``sbatch``, ``squeue``, ``scancel``) get ``SLURM_CONF`` through ``env()``.
+in one folder; commands (``sbatch``, ``squeue``, ``scancel``) get ``SLURM_CONF`` through ``env()``
+(and jobs a ``TMPDIR`` inside the folder).
 
 Several nodes (``net``: a ``cluster.netns.Cluster`` with one host per node name): each slurmd
 runs inside its node's network namespace (``nsenter --net=``), declared at that host's
@@ -84,7 +85,12 @@ class FakeSlurm:
                 raise ValueError(f"nodes {missing} have no host in {self.net!r}")
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "SLURM_CONF": str(self.conf)}
+        """The environment for the daemons and client commands, and so (``sbatch`` exports it)
+        for every job: ``SLURM_CONF``, and ``TMPDIR`` inside this cluster's folder, so what jobs
+        put in the temp folder (``torchrun``'s ``torchelastic_*``) goes with the test's folder."""
+        tmp = self.folder / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        return {**os.environ, "SLURM_CONF": str(self.conf), "TMPDIR": str(tmp)}
 
     def write_conf(self) -> None:
         f = self.folder

@@ -48,6 +48,7 @@ def test_run_submitted_through_the_launcher_trains_with_two_pools(tmp_path, tiny
         metrics = read_jsonl(run / "learner" / "metrics.jsonl")
         assert metrics and metrics[-1]["step"] == STEPS, run_logs(run)
         assert all(m["perf/learner_ranks"] == 2 for m in metrics), run_logs(run)
+        assert list((c.folder / "tmp").glob("torchelastic_*")), "torchrun's folder is not in the jobs' TMPDIR"
         port = int((run / "learner.addr").read_text().split()[1])  # picked free on the node, and the one bound
         assert port != 5555 and f"control tcp://0.0.0.0:{port}" in learner_log(run), learner_log(run)
         trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
