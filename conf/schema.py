@@ -788,7 +788,14 @@ class SlurmConfig:
     envhub_cpus: int = 2
     """``sbatch --cpus-per-task`` of the envhub job."""
     wait_s: int = 600
-    """How long an actor job waits for the learner's (and envhub's) address file."""
+    """How long an actor job waits for the learner's (or envhub's) address file when it does not
+    know that job's id (``learner.job`` / ``envhub.job``, written by ``turnscale slurm``): with
+    the id it waits for as long as that job is queued or running (``slurm.poll_s``)."""
+    poll_s: int = 30
+    """How often (seconds) each envhub and actor job asks ``squeue`` whether the learner job
+    (and, while waiting for its URL, the envhub job) is still queued or running: one that has
+    left the queue without ``learner.done`` (cancelled, killed, out of memory, node lost) ends
+    them within about this long.  Every job asks once per period: keep it long on big clusters."""
     free_ports: bool = True
     """The learner and envhub jobs pick ports no socket on their node uses when they start
     (``learner.port``/``pub_port``/``weights_port``, ``env.port`` are then ignored) and publish
@@ -810,6 +817,7 @@ class SlurmConfig:
         _require(bool(names) and len(set(names)) == len(names), "slurm.pools", f"needs unique pool names, got {names}")
         _require(self.learner_cpus >= 1 and self.envhub_cpus >= 1 and self.wait_s >= 1, "slurm", "cpus and wait_s must be >= 1")
         _require(self.learner_ranks >= 1, "slurm.learner_ranks", f"must be >= 1, got {self.learner_ranks}")
+        _require(self.poll_s >= 1, "slurm.poll_s", f"must be >= 1 second, got {self.poll_s}")
 
 
 @dataclass(kw_only=True)

@@ -65,7 +65,7 @@ def run_overrides(run: Path, model_dir: str, *, pools: str, steps: int, groups_p
     their node: ``learner_address`` reads the learner's); ``extra`` adds keys the base does not set."""
     return [
         f"slurm.dir={run}", f"slurm.python={sys.executable}", f"slurm.workdir={REPO_ROOT}", "slurm.learner_cpus=1",
-        "slurm.envhub_cpus=1", "slurm.wait_s=300", f"slurm.pools={pools}",
+        "slurm.envhub_cpus=1", "slurm.wait_s=300", "slurm.poll_s=5", f"slurm.pools={pools}",
         f"model.path={model_dir}", "learner.curve.enabled=false", "actor.curve.enabled=false",
         "schedule.turns=[2]", "sampling.max_new_tokens=16", "algo.group_size=2", f"learner.groups_per_step={groups_per_step}",
         "learner.max_staleness=1", f"learner.steps={steps}", "learner.heartbeat_interval_s=1", "logger.tensorboard=false",

@@ -6,7 +6,8 @@ Waits for the learner's address (``<slurm.dir>/learner.addr``, at most ``slurm.w
 then runs ``turnscale.control.Autoscaler.tick`` every ``--every`` seconds — replace actors
 Slurm lost, read the learner's signals, decide per pool within ``min_actors``..``max_actors``
 (``slurm.pools``), act with ``sbatch --array`` / drain through the learner — until the learner
-job writes ``<slurm.dir>/learner.done`` (the run is over: exit 0).  A learner that does not
+job writes ``<slurm.dir>/learner.done`` (the run is over: exit 0) or leaves the queue without
+it (``<slurm.dir>/learner.job`` no longer pending or running in ``squeue``).  A learner that does not
 answer for a round (busy, restarting) is logged and asked again next round; the loop never
 crashes on one.  With CURVE towards the learner it connects with ``actor.curve.*`` (an
 authorized key), as an actor would; given none, with the run's own ``control`` key pair in
@@ -44,11 +45,12 @@ def read_address(folder: Path, wait_s: float, sleep: Callable[[float], None] = t
 
 
 def run_loop(auto, folder: Path, every_s: float, *, max_s: float = float("inf"),
-             sleep: Callable[[float], None] = time.sleep) -> int:
-    """Tick ``auto`` every ``every_s`` until ``<folder>/learner.done`` exists (returns the
-    number of rounds) or ``max_s`` passed; a round the learner does not answer is skipped."""
+             sleep: Callable[[float], None] = time.sleep, gone: Callable[[], bool] = lambda: False) -> int:
+    """Tick ``auto`` every ``every_s`` until ``<folder>/learner.done`` exists or ``gone()`` (the
+    learner job has left the queue without it: cancelled, killed, node lost) (returns the
+    number of rounds), or ``max_s`` passed; a round the learner does not answer is skipped."""
     rounds, t0 = 0, time.monotonic()
-    while not (folder / "learner.done").exists() and time.monotonic() - t0 < max_s:
+    while not (folder / "learner.done").exists() and not gone() and time.monotonic() - t0 < max_s:
         try:
             d = auto.tick()
             if d is not None and d.changed:
@@ -99,9 +101,16 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"turnscale autoscale: {exc}", file=sys.stderr)
         return 1
     auto = build(cfg, host, port)
+
+    def learner_gone() -> bool:
+        job = (folder / "learner.job").read_text().strip() if (folder / "learner.job").exists() else ""
+        return bool(job) and auto.backend.job_gone(job)
+
     try:
-        rounds = run_loop(auto, folder, args.every)
+        rounds = run_loop(auto, folder, args.every, gone=learner_gone)
     finally:
         auto.control.close()
-    print(f"turnscale autoscale: the learner is done ({folder / 'learner.done'}); {rounds} rounds")
+    why = f"the learner is done ({folder / 'learner.done'})" if (folder / "learner.done").exists() else \
+        "the learner job has left the queue"
+    print(f"turnscale autoscale: {why}; {rounds} rounds")
     return 0

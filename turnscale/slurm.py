@@ -1,33 +1,40 @@
 """``turnscale slurm [--dry-run] [hydra overrides]``: a run on a Slurm cluster.
 
 Writes readable sbatch scripts into ``slurm.dir`` (storage every node sees) and submits
-them (``--dry-run``: prints them and submits nothing):
+them, the learner's first and the others with ``--dependency=after:<learner job>`` (they
+start once it has started); ``--dry-run`` prints them and submits nothing:
+
+- ``learner.sbatch``: the learner (under ``torchrun --standalone
+  --nproc_per_node=<slurm.learner_ranks>`` when that is above 1), with ``learner.resume=true``
+  when ``<dir>/learner/checkpoints`` holds a checkpoint (a requeued or resubmitted job
+  continues the run from the newest one); once started it publishes its address as
+  ``<dir>/learner.addr`` (``host port``, written to a temp file and renamed, so a reader
+  never sees half of it) and its job id as ``<dir>/learner.job``.  When the learner ends by
+  itself (its steps done, or an error) the job writes ``<dir>/learner.done``: the run is
+  over.  A signalled job (scancel, requeue, time limit: the learner checkpoints) writes none,
+  so the actors of a requeued learner stay and follow it;
+- ``envhub.sbatch`` (unless ``slurm.env_url`` names an external env server): the env
+  server, publishing ``<dir>/envhub.url`` and ``<dir>/envhub.job`` the same way;
+- ``actors-<pool>.sbatch``: one job array per pool (``slurm.pools``; ``--array=0-(count-1)``,
+  the pool's ``-C``/``-p``/``--gres``, its engine overrides and environment; an
+  ``accelerator: nvidia|ascend`` pool gets ``--gres=gpu|npu:<devices>``, ``engine.device=cuda|npu``
+  and each task its own devices in ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``
+  from Slurm's allocation, ``_device_env``); each task waits for the address files for as
+  long as the job publishing each is queued or running (``_job_lib``: ``squeue`` every
+  ``slurm.poll_s``; ``slurm.wait_s`` only when the job id is unknown), then runs
+  ``turnscale actor`` with ``actor.pool=<pool>`` and ``actor.actor_id=<pool>-<array job>_<task>``,
+  and restarts it against the new address when ``learner.addr`` changes (a requeued learner).
+
+The envhub and actor jobs stop their process (SIGTERM) and end once ``learner.done`` appears,
+or once the learner job has left the queue without writing it (cancelled, killed, out of
+memory, node lost: ``_supervise`` asks ``squeue`` every ``slurm.poll_s``), so no job is left
+running until its time limit.
 
 Addresses: each server job publishes ``slurm.interface``'s IPv4 address (and binds it), or
 without one the node's first address (``hostname -I``, binding every interface); with
 ``slurm.free_ports`` (default) it picks ports no socket on its node uses when it starts
 (the learner's three, the envhub's one) and publishes them, so runs sharing a node do not
 clash; actors learn the learner's other two ports from its ``Welcome``.
-
-- ``learner.sbatch``: the learner, bound as above (under ``torchrun
-  --standalone --nproc_per_node=<slurm.learner_ranks>`` when that is above 1), with
-  ``learner.resume=true`` when ``<dir>/learner/checkpoints`` holds a checkpoint (a requeued or
-  resubmitted job continues the run from the newest one); once started it publishes
-  its address as ``<dir>/learner.addr`` (``host port``, written to a temp file and renamed,
-  so a reader never sees half of it); when the learner exits the job writes
-  ``<dir>/learner.done``;
-- ``envhub.sbatch`` (unless ``slurm.env_url`` names an external env server): the env
-  server, publishing ``<dir>/envhub.url`` the same way; it stops the server and ends
-  once ``learner.done`` appears (the run is over: actors have been told ``Shutdown``);
-- ``actors-<pool>.sbatch``: one job array per pool (``slurm.pools``; ``--array=0-(count-1)``,
-  the pool's ``-C``/``-p``/``--gres``, its engine overrides and environment; an
-  ``accelerator: nvidia|ascend`` pool gets ``--gres=gpu|npu:<devices>``, ``engine.device=cuda|npu``
-  and each task its own devices in ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``
-  from Slurm's allocation, ``_device_env``); each task
-  waits (at most ``slurm.wait_s``) for the address files, then runs ``turnscale actor``
-  with ``actor.pool=<pool>`` and ``actor.actor_id=<pool>-<array job>_<task>``, and stops
-  it (SIGTERM) once ``learner.done`` appears: a learner that was cancelled (it checkpoints
-  and may be resumed, so it does not tell actors the run is over) leaves no actor behind.
 
 Before anything is written, the run's config and every pool's actor config (the run's
 overrides, then the pool's ``overrides``) are loaded through the schema (``pool_configs``):
@@ -83,11 +90,71 @@ def _sbatch_header(name: str, log: str, *, partition: str, account: str, time: s
     return lines
 
 
-def _until_done(cmd: str, done: str) -> list[str]:
-    """Shell lines running ``cmd`` until it exits or ``done`` appears (then SIGTERM: a role
-    stops within seconds), forwarding the job's SIGTERM to it; the script exits with its status."""
-    return [f"{cmd} &", "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT",
-            f"while kill -0 $PID 2>/dev/null && [ ! -e {done} ]; do sleep 2; done",
+_GONE_STATES = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+                "PREEMPTED")
+"""Slurm job states after which a job no longer runs (``CANCELLED by ...`` included); a
+requeued job goes back to ``PENDING`` and is not gone."""
+
+
+def _job_lib(run: str, poll_s: int, wait_s: int) -> list[str]:
+    """Shell functions of the envhub and actor jobs:
+
+    - ``job_gone ID``: true once Slurm holds job ``ID`` neither pending nor running (ended,
+      cancelled, failed, its node lost; a requeued job is pending again, so not gone).  A
+      failing ``squeue`` (controller busy) counts as not gone; an empty ``ID`` never is.
+    - ``wait_published FILE JOBFILE WHAT``: wait for ``FILE`` for as long as the job named in
+      ``JOBFILE`` (``learner.job``, ``envhub.job``: written by ``turnscale slurm`` and by the
+      job itself) is pending or running, asking ``squeue`` every ``slurm.poll_s``; exit 1
+      saying why once it has ended.  Without a job id, at most ``slurm.wait_s``.
+    - ``learner_gone``: ``job_gone`` of the learner job (every ``slurm.poll_s``)."""
+    states = "|".join(f"{st}*" if st == "CANCELLED" else st for st in _GONE_STATES)
+    return [f"POLL={poll_s}; LEARNER_JOB_FILE={shlex.quote(run + '/learner.job')}",
+            "job_gone() {",
+            '  local out rc=0; [ -n "$1" ] || return 1',
+            '  out=$(squeue -h -j "$1" -o %T 2>&1) || rc=$?',
+            '  if [ "$rc" -ne 0 ]; then [[ $out == *"Invalid job id"* ]]; return; fi',
+            f'  case "${{out%%[[:space:]]*}}" in ""|{states}) return 0;; esac',
+            "  return 1",
+            "}",
+            'learner_gone() { job_gone "$(cat "$LEARNER_JOB_FILE" 2>/dev/null || true)"; }',
+            "wait_published() {",
+            "  local t=0 job",
+            '  until [ -s "$1" ]; do',
+            '    job=$(cat "$2" 2>/dev/null || true)',
+            f'    if [ -z "$job" ] && [ "$t" -ge {wait_s} ]; then echo "no $1 after {wait_s}s and no job id in $2: '
+            'is the $3 job running?" >&2; exit 1; fi',
+            '    if [ -n "$job" ] && [ $((t % POLL)) -eq 0 ] && job_gone "$job"; then '
+            f'echo "no $1: the $3 job $job has ended (its log: {run}/logs/)" >&2; exit 1; fi',
+            "    sleep 1; t=$((t + 1))",
+            "  done",
+            "}"]
+
+
+def _supervise(done: str, follow: str = "") -> list[str]:
+    """Shell lines supervising the role ``start`` (a shell function) launches in the background
+    (``$PID``) until it exits, ``done`` appears (the run is over), or the learner job has left
+    the queue without writing it (cancelled, killed, node lost: ``learner_gone`` every
+    ``slurm.poll_s``); then SIGTERM (a role stops within seconds).  The job's SIGTERM is
+    forwarded.  ``follow`` (actors): the learner's address file; when its content changes (a
+    requeued learner job publishes its new node and ports) the actor is stopped and started
+    again with it.  The script exits with the role's status."""
+    restart = []
+    if follow:
+        restart = [f'  NEW=$(cat {follow} 2>/dev/null || true)',
+                   '  if [ "$STOP" -eq 0 ] && [ -n "$NEW" ] && [ "$NEW" != "$ADDR" ]; then',
+                   '    echo "the learner moved to $NEW (a new incarnation): restarting the actor"',
+                   "    kill -TERM $PID 2>/dev/null || true; while kill -0 $PID 2>/dev/null; do wait $PID || true; done",
+                   "    start",
+                   "  fi"]
+    return ["STOP=0; start", "trap 'STOP=1; kill -TERM $PID 2>/dev/null' TERM INT", "T=0",
+            f"while kill -0 $PID 2>/dev/null && [ ! -e {done} ]; do",
+            "  sleep 1; T=$((T + 1))",
+            '  if [ $((T % POLL)) -eq 0 ] && learner_gone; then',
+            '    echo "the learner job $(cat "$LEARNER_JOB_FILE") has ended without learner.done '
+            '(cancelled, killed, its node lost): stopping"; break',
+            "  fi",
+            *restart,
+            "done",
             "kill -TERM $PID 2>/dev/null || true",
             *_reap()]
 
@@ -216,6 +283,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     done = shlex.quote(f"{run}/learner.done")
     learner += ["# turnscale learner: trains, leases work, publishes weights; its address goes to learner.addr",
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}", f"rm -f {done}",
+                'if [ -n "${SLURM_JOB_ID:-}" ]; then', *_publish(f"{run}/learner.job", '"$SLURM_JOB_ID"'), "fi",
                 *_host_lines(s.interface),
                 *_pick_ports(("PORT", "PUB_PORT", "WEIGHTS_PORT"), (lc.port, lc.pub_port, lc.weights_port), s.free_ports),
                 *_publish(f"{run}/learner.addr", '"$HOST $PORT"'),
@@ -223,9 +291,15 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides() if keys else [])} "
                 '"learner.host=$BIND" "learner.port=$PORT" "learner.pub_port=$PUB_PORT" "learner.weights_port=$WEIGHTS_PORT" '
                 "$RESUME &",
-                "PID=$!", "trap 'kill -TERM $PID 2>/dev/null' TERM INT  # scancel: the learner checkpoints and exits",
+                "PID=$!", "STOP=0",
+                "trap 'STOP=1; kill -TERM $PID 2>/dev/null' TERM INT  # scancel, requeue, time limit: it checkpoints and exits",
                 *_reap()[:2],
-                f"touch {done}  # the run is over: the envhub job and the actors stop",
+                'if [ "$STOP" -eq 0 ]; then',
+                f"  touch {done}  # it ended by itself (its steps done, or an error): the run is over, every job stops",
+                "else",
+                '  echo "stopped by a signal (scancel, requeue, time limit): no learner.done; the envhub and actor jobs '
+                'stop once this job has left the queue, and stay for a requeued one (it resumes)"',
+                "fi",
                 "exit $rc"]
     files["learner.sbatch"] = "\n".join(learner) + "\n"
 
@@ -234,10 +308,13 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                              time=s.time, cpus=s.envhub_cpus)
         env += ["# turnscale envhub: the env server the actors play on; its URL goes to envhub.url",
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}",
+                'if [ -n "${SLURM_JOB_ID:-}" ]; then', *_publish(f"{run}/envhub.job", '"$SLURM_JOB_ID"'), "fi",
+                *_job_lib(run, s.poll_s, s.wait_s),
                 *_host_lines(s.interface),
                 *_pick_ports(("PORT",), (cfg.env.port,), s.free_ports),
                 *_publish(f"{run}/envhub.url", '"http://$HOST:$PORT"'),
-                *_until_done(f'{_q(py)} envhub {_q(common)} "host=$BIND" "port=$PORT"', done)]
+                f'start() {{ {_q(py)} envhub {_q(common)} "host=$BIND" "port=$PORT" & PID=$!; }}',
+                *_supervise(done)]
         files["envhub.sbatch"] = "\n".join(env) + "\n"
 
     for pool in s.pools:
@@ -297,18 +374,22 @@ def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: lis
               "set -euo pipefail", f"cd {shlex.quote(workdir)}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(pool.env.items())]
     lines += _device_env(pool)
-    need = [f"{run}/learner.addr"] + ([] if s.env_url else [f"{run}/envhub.url"])
-    lines += [f"for f in {_q(need)}; do",
-              f"  for _ in $(seq {s.wait_s}); do [ -s \"$f\" ] && break; sleep 1; done",
-              '  [ -s "$f" ] || { echo "no $f after ' + str(s.wait_s) + 's: is the learner/envhub job running?" >&2; exit 1; }',
-              "done",
-              f"read -r LEARNER_HOST LEARNER_PORT < {shlex.quote(run + '/learner.addr')}"]
+    addr = shlex.quote(f"{run}/learner.addr")
+    lines += [*_job_lib(run, s.poll_s, s.wait_s),
+              f'wait_published {addr} "$LEARNER_JOB_FILE" learner']
+    if not s.env_url:
+        lines.append(f"wait_published {shlex.quote(run + '/envhub.url')} {shlex.quote(run + '/envhub.job')} envhub")
     env_url = shlex.quote(s.env_url) if s.env_url else f"$(cat {shlex.quote(run + '/envhub.url')})"
     lines += [f"ENV_URL={env_url}",
               f'ACTOR_ID={pool.name}-${{SLURM_ARRAY_JOB_ID:-${{SLURM_JOB_ID:-0}}}}_${{SLURM_ARRAY_TASK_ID:-0}}',
-              *_until_done(f"{_q(py)} actor {_q(common)} {_q(_pool_overrides(pool))} actor.pool={pool.name} "
-                           '"actor.learner_host=$LEARNER_HOST" "actor.learner_port=$LEARNER_PORT" "actor.env_url=$ENV_URL" '
-                           '"actor.actor_id=$ACTOR_ID"', shlex.quote(f"{run}/learner.done"))]
+              "start() {",
+              f"  ADDR=$(cat {addr}); read -r LEARNER_HOST LEARNER_PORT <<< \"$ADDR\"",
+              f"  {_q(py)} actor {_q(common)} {_q(_pool_overrides(pool))} actor.pool={pool.name} "
+              '"actor.learner_host=$LEARNER_HOST" "actor.learner_port=$LEARNER_PORT" "actor.env_url=$ENV_URL" '
+              '"actor.actor_id=$ACTOR_ID" &',
+              "  PID=$!",
+              "}",
+              *_supervise(shlex.quote(f"{run}/learner.done"), follow=addr)]
     return "\n".join(lines) + "\n"
 
 
@@ -418,10 +499,14 @@ def _run(cmd: Sequence[str]) -> str:
 
 
 def submit(folder: Path, scripts: Scripts, runner: Runner = _run) -> dict[str, str]:
-    """``sbatch --parsable`` every script in order; script name -> job id."""
-    out = {}
+    """``sbatch --parsable`` every script in order; script name -> job id.  The jobs after the
+    first (the learner's) get ``--dependency=after:<learner job>``: they start once the learner
+    job has started, so no envhub or actor holds a node while the learner waits for one (and
+    actors then wait for the address files only while those jobs are queued or running)."""
+    out: dict[str, str] = {}
     for name in scripts.files:
-        out[name] = runner(["sbatch", "--parsable", str(folder / name)]).strip().split(";")[0]
+        dep = [f"--dependency=after:{next(iter(out.values()))}"] if out else []
+        out[name] = runner(["sbatch", "--parsable", *dep, str(folder / name)]).strip().split(";")[0]
     return out
 
 
@@ -466,6 +551,18 @@ class SlurmBackend:
             self.pools[pool] = self.live(pool)
         return dict(self.pools)
 
+    def job_gone(self, job: str) -> bool:
+        """True once Slurm holds ``job`` neither pending nor running (the scripts' ``job_gone``):
+        ``squeue`` no longer knows it or shows an end state; a failing ``squeue`` is not gone."""
+        try:
+            out = self.runner(["squeue", "-h", "-j", job, "-o", "%T"])
+        except subprocess.CalledProcessError as exc:
+            return "Invalid job id" in f"{exc.stdout or ''}{exc.stderr or ''}"
+        except (OSError, subprocess.SubprocessError):
+            return False
+        words = out.split()
+        return not words or words[0].startswith(_GONE_STATES)
+
     def drain(self, actor_id: str) -> None:
         """The learner drains it; the actor exits by itself and its array task ends."""
         pool, _ = parse_actor_id(actor_id)
@@ -501,7 +598,7 @@ def main(argv: Iterable[str] | None = None, runner: Runner = _run) -> int:
             print(f"# ===== {cfg.slurm.dir}/{name}\n{text}")
         return 0
     folder = Path(cfg.slurm.dir)
-    for stale in ("learner.addr", "envhub.url", "learner.done"):  # a previous run's: actors must not find them
+    for stale in ("learner.addr", "envhub.url", "learner.done", "learner.job", "envhub.job"):  # a previous run's
         (folder / stale).unlink(missing_ok=True)
     scripts.write(folder)
     if keys is not None:
@@ -516,6 +613,10 @@ def main(argv: Iterable[str] | None = None, runner: Runner = _run) -> int:
         return 1
     for name, job in jobs.items():
         print(f"{name}: job {job}")
+    for name, file in (("learner.sbatch", "learner.job"), ("envhub.sbatch", "envhub.job")):
+        if name in jobs:  # the other jobs wait while it is queued, and end once it has left the queue
+            (folder / file).write_text(jobs[name] + "\n")
+    print(f"to stop the run: scancel {' '.join(jobs.values())}")
     from turnscale.learner.checkpoint import latest
     if (ck := latest(str(folder.resolve() / "learner" / "checkpoints"))) is not None:
         print(f"the learner resumes from {ck} (and from the newest checkpoint whenever its job is requeued); "

@@ -60,3 +60,32 @@ def test_build_takes_pools_bounds_and_counts_from_the_slurm_config(tmp_path):
         assert auto.backend.pools == {"cpu": 2, "big": 1} and auto.backend.folder == tmp_path
     finally:
         auto.control.close()
+
+
+def test_loop_ends_when_the_learner_job_has_left_the_queue_without_learner_done(tmp_path):
+    class Quiet:
+        def tick(self):
+            return None
+
+    calls = []
+    assert run_loop(Quiet(), tmp_path, 1.0, sleep=lambda s: None, gone=lambda: calls.append(1) or len(calls) > 3) == 3
+
+
+def test_slurm_backend_tells_a_job_that_left_the_queue_from_one_still_queued(tmp_path):
+    import subprocess
+
+    from turnscale.slurm import SlurmBackend
+
+    answers = {"1": "RUNNING\n", "2": "PENDING\n", "3": "CANCELLED by 0\n", "4": "", "5": "NODE_FAIL\n"}
+
+    def runner(cmd):
+        job = cmd[cmd.index("-j") + 1]
+        if job == "6":
+            raise subprocess.CalledProcessError(1, cmd, "", "slurm_load_jobs error: Invalid job id specified")
+        if job == "7":
+            raise subprocess.CalledProcessError(1, cmd, "", "slurm_load_jobs error: Unable to contact slurm controller")
+        return answers[job]
+
+    b = SlurmBackend(tmp_path, {}, runner=runner)
+    assert [b.job_gone(j) for j in "1234567"] == [False, False, True, True, True, True, False]
+

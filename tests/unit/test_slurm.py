@@ -46,7 +46,7 @@ def test_learner_and_envhub_publish_their_address_atomically_and_actors_wait_for
     assert "BIND=0.0.0.0" in learner and "\"learner.host=$BIND\"" in learner
     assert f"mv -f {run}/envhub.url.tmp.$$ {run}/envhub.url" in s.files["envhub.sbatch"]
     cpu = s.files["actors-cpu.sbatch"]
-    assert f"read -r LEARNER_HOST LEARNER_PORT < {run}/learner.addr" in cpu and f"$(cat {run}/envhub.url)" in cpu
+    assert f"ADDR=$(cat {run}/learner.addr); read -r LEARNER_HOST LEARNER_PORT" in cpu and f"$(cat {run}/envhub.url)" in cpu
     assert '"actor.actor_id=$ACTOR_ID"' in cpu and "ACTOR_ID=cpu-${SLURM_ARRAY_JOB_ID" in cpu
 
 
@@ -90,7 +90,7 @@ def test_actor_script_gives_up_with_a_clear_message_when_the_learner_never_start
     p = tmp_path / "a.sh"
     p.write_text(s.files["actors-cpu.sbatch"])
     r = subprocess.run(["bash", str(p)], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
-    assert r.returncode == 1 and "learner.addr after 1s: is the learner/envhub job running?" in r.stderr
+    assert r.returncode == 1 and "learner.addr after 1s and no job id in" in r.stderr and "is the learner job running?" in r.stderr
 
 
 def test_learner_with_several_ranks_runs_under_torchrun_in_one_job(tmp_path, capsys):
@@ -523,3 +523,157 @@ def test_accelerator_pools_get_their_gres_device_and_each_task_its_own_devices(t
     assert r.returncode == 0 and "npu=7" in r.stdout, (r.stdout, r.stderr)
     with pytest.raises(conf.ConfigError, match=r"slurm.pools\[x\].accelerator"):
         conf.load(["slurm.pools=[{name:x,accelerator:tpu}]"])
+
+
+def _fake_slurm_tools(tmp_path: Path) -> Path:
+    """A ``squeue`` answering ``-h -j ID -o %T`` from ``state-ID`` (default RUNNING; ``INVALID``:
+    Slurm no longer knows the job; ``DOWN``: the controller does not answer)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "squeue").write_text(
+        f'#!/bin/bash\nst=$(cat {tmp_path}/state-$3 2>/dev/null || echo RUNNING)\n'
+        'case "$st" in INVALID) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;;\n'
+        '  DOWN) echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1;; esac\necho "$st"\n')
+    (bin_ / "squeue").chmod(0o755)
+    return bin_
+
+
+def _actor_job(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    fake = tmp_path / "fakepy"  # records each start, exits 0 on SIGTERM as the real actor does
+    fake.write_text(f"#!/bin/bash\ntrap 'echo got-term; exit 0' TERM\necho \"$*\" >> {tmp_path}/starts\n"
+                    "while true; do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", f"slurm.python={fake}", f"slurm.workdir={tmp_path}",
+                 "slurm.wait_s=1", "slurm.poll_s=1", *extra]
+    p = tmp_path / "a.sh"
+    p.write_text(slurm.render(conf.load(overrides), overrides).files["actors-cpu.sbatch"])
+    env = {"PATH": f"{_fake_slurm_tools(tmp_path)}:/usr/bin:/bin"}
+    return subprocess.Popen(["bash", str(p)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _starts(tmp_path: Path) -> list[str]:
+    f = tmp_path / "starts"
+    return f.read_text().splitlines() if f.exists() else []
+
+
+def _until(cond, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_actor_job_ends_when_the_learner_job_leaves_the_queue_without_learner_done(tmp_path):
+    """A learner killed without writing ``learner.done`` (SIGKILL, out of memory, node lost,
+    scancel) left actors reconnecting until their time limit: the job now asks ``squeue``
+    every ``slurm.poll_s`` and stops its actor once the learner job is no longer queued or
+    running.  A requeued learner (PENDING) or a controller that does not answer is not gone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "learner.addr").write_text("10.1.2.3 5555\n")
+    (run / "envhub.url").write_text("http://10.1.2.4:36001\n")
+    (run / "learner.job").write_text("77\n")
+    for state, gone in (("PENDING", False), ("DOWN", False), ("INVALID", True), ("CANCELLED by 0", True),
+                        ("NODE_FAIL", True), ("OUT_OF_MEMORY", True)):
+        (tmp_path / "state-77").write_text("RUNNING")
+        (tmp_path / "starts").unlink(missing_ok=True)
+        proc = _actor_job(tmp_path)
+        try:
+            _until(lambda: _starts(tmp_path))
+            (tmp_path / "state-77").write_text(state)
+            try:
+                out, err = proc.communicate(timeout=4)  # 1 s polls: ended within a few if gone
+            except subprocess.TimeoutExpired:
+                assert not gone, f"{state}: the actor job still runs"
+                proc.terminate()
+                out, err = proc.communicate(timeout=10)
+                continue
+            assert gone, f"{state}: the actor job ended ({out}, {err})"
+            assert proc.returncode == 0 and "got-term" in out and "the learner job 77 has ended without learner.done" in out
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+
+
+def test_actor_follows_a_requeued_learner_to_its_new_address(tmp_path):
+    """A requeued learner job resumes (``learner.resume``) on a node and ports of its own and
+    publishes them: the actor job stops its actor and starts it again against the new address."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "learner.addr").write_text("10.1.2.3 5555\n")
+    (run / "envhub.url").write_text("http://10.1.2.4:36001\n")
+    proc = _actor_job(tmp_path)
+    try:
+        _until(lambda: len(_starts(tmp_path)) == 1)
+        assert "actor.learner_host=10.1.2.3" in _starts(tmp_path)[0]
+        (run / "learner.addr").write_text("10.9.9.9 23456\n")
+        _until(lambda: len(_starts(tmp_path)) == 2)
+        assert "actor.learner_host=10.9.9.9 actor.learner_port=23456" in _starts(tmp_path)[1]
+        assert "actor.actor_id=cpu-0_0" in _starts(tmp_path)[1]
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0 and out.count("got-term") == 2 and "the learner moved to 10.9.9.9 23456" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
+def test_actor_waits_for_the_envhub_as_long_as_its_job_is_queued_and_not_a_fixed_time(tmp_path):
+    """Actors waited ``slurm.wait_s`` for the address files, so a pending envhub (or learner)
+    left none: with the job's id known they wait while it is queued (here well past
+    ``wait_s=1``), and give up saying why once it has left the queue."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "learner.addr").write_text("10.1.2.3 5555\n")
+    (run / "envhub.job").write_text("88\n")
+    (tmp_path / "state-88").write_text("PENDING")
+    proc = _actor_job(tmp_path)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None and not _starts(tmp_path)
+        (run / "envhub.url").write_text("http://10.1.2.4:36001\n")
+        _until(lambda: _starts(tmp_path))
+        assert "actor.env_url=http://10.1.2.4:36001" in _starts(tmp_path)[0]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+    (run / "envhub.url").unlink()
+    (tmp_path / "state-88").write_text("FAILED")
+    proc = _actor_job(tmp_path)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 1 and f"no {run}/envhub.url: the envhub job 88 has ended" in err
+
+
+def test_learner_job_writes_learner_done_only_when_the_learner_ended_by_itself(tmp_path):
+    """A signalled learner job (scancel, requeue, time limit) may be resumed: no ``learner.done``
+    (which would end the actors a requeued learner needs); the learner's own end writes it."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(f"#!/bin/bash\ntrap 'exit 0' TERM\ntouch {tmp_path}/started\nwhile true; do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    overrides = [POOLS, f"slurm.dir={tmp_path}/run", f"slurm.python={fake}", f"slurm.workdir={tmp_path}"]
+    (tmp_path / "run").mkdir()
+    p = tmp_path / "l.sh"
+    p.write_text(slurm.render(conf.load(overrides), overrides).files["learner.sbatch"])
+    proc = subprocess.Popen(["bash", str(p)], env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "55"}, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for(tmp_path / "started", proc)
+        assert (tmp_path / "run/learner.job").read_text().strip() == "55"
+        proc.send_signal(15)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and not (tmp_path / "run/learner.done").exists() and "stopped by a signal" in out
+
+
+def test_jobs_after_the_learner_start_once_it_has_started(tmp_path):
+    calls = []
+    s = render(tmp_path)
+    s.write(tmp_path / "run")
+    slurm.submit(tmp_path / "run", s, lambda cmd: calls.append(list(cmd)) or f"{300 + len(calls)}\n")
+    assert "--dependency" not in " ".join(calls[0])
+    assert all(c[2] == "--dependency=after:301" for c in calls[1:]) and len(calls) == 4
+
