@@ -118,7 +118,8 @@ class Autoscaler:
         self.replace_lost()
         cur = self.control.status()
         prev, self.last = self.last, cur
-        if prev is None:
+        if prev is None:  # the learner's lease limit is the starting point: changed only by a decision
+            self.controller.adopt_leases(cur.max_leases_per_actor)
             return None
         d = self.controller.observe(to_sample(prev, cur))
         self.decisions.append(d)

@@ -9,8 +9,8 @@ them).  What it decides, in this order:
 1. bounds: a pool below its ``min_actors`` or above its ``max_actors`` is brought back
    inside at once;
 2. *starved* (the learner waits for groups: mean ``idle_fraction >= up_idle`` and mean
-   ``ready_groups < ready_low``): first raise ``max_leases_per_actor`` back if it was
-   lowered, else add ``step`` actors to the pool with the best measured throughput per
+   ``ready_groups < ready_low``): first raise ``max_leases_per_actor`` back if it is below
+   ``max_leases``, else add ``step`` actors to the pool with the best measured throughput per
    configured cost (tokens/s per actor / ``cost``; a pool with no measurement yet is
    credited the mean of the measured ones, so a fresh pool gets a chance);
 3. *saturated* (actors outrun the learner: mean ``idle_fraction <= down_idle`` and mean
@@ -184,7 +184,7 @@ class ScalingController:
         if idle <= p.down_idle and (ready >= p.ready_high or stale >= p.stale_high):
             why = f"learner idle {idle:.0%}, ready {ready:.1f}, stale drops {stale:.0%}"
             if self.leases > p.min_leases:
-                self.leases -= 1
+                self.leases = min(self.leases - 1, p.max_leases)  # from a limit above the range: into it
                 return self._act(f"saturated ({why}): max_leases_per_actor -> {self.leases}")
             pool = self._worst_to_remove()
             if pool is None:
@@ -193,6 +193,13 @@ class ScalingController:
             self.wanted[pool] = max(floor, self.wanted[pool] - p.step)
             return self._act(f"saturated ({why}): {pool} -> {self.wanted[pool]}")
         return self._hold(f"balanced (idle {idle:.0%}, ready {ready:.1f}, stale drops {stale:.0%})")
+
+    def adopt_leases(self, n: int) -> None:
+        """Start from the learner's own ``max_leases_per_actor`` (``Autoscaler`` calls this on its
+        first status), so the limit stays what it is until a decision changes it: a limit above
+        ``max_leases`` (the learner's default is 64) is never raised and is lowered into the range
+        only when saturated; one below is raised one step at a time when starved."""
+        self.leases = max(1, int(n))
 
     # -- helpers
     def _pool(self, name: str) -> PoolPolicy:

@@ -89,3 +89,70 @@ def test_slurm_backend_tells_a_job_that_left_the_queue_from_one_still_queued(tmp
     b = SlurmBackend(tmp_path, {}, runner=runner)
     assert [b.job_gone(j) for j in "1234567"] == [False, False, True, True, True, True, False]
 
+
+class FakeControl:
+    """A learner's control port: ``idle`` fraction per 10 s interval, ``ready`` groups, one cpu
+    actor holding ``held`` leases; records every request; applies a lease limit it is sent."""
+
+    def __init__(self, leases: int, idle: float, ready: int, actors: int = 1):
+        self.leases, self.idle, self.ready, self.n = leases, idle, ready, actors
+        self.t, self.requests = 0.0, []
+
+    def status(self):
+        from turnscale.protocol.messages import ActorStatus, LearnerStatus
+
+        self.t += 10.0
+        return LearnerStatus(step=1, version=1, uptime_s=self.t, idle_s=self.t * self.idle, ready_groups=self.ready,
+                             live_leases=0, groups_received=0, groups_stale=0, groups_trained=0, staleness_sum=0,
+                             max_leases_per_actor=self.leases,
+                             actors=[ActorStatus(actor_id=f"cpu-1_{i}", pool="cpu", host="h", leases=2, draining=False,
+                                                 tokens_generated=self.t * 10) for i in range(self.n)])
+
+    def request(self, msg):
+        self.requests.append(msg)
+        if msg.max_leases_per_actor:
+            self.leases = msg.max_leases_per_actor
+        return self.status()
+
+
+class NullBackend:
+    def __init__(self):
+        self.scaled = []
+
+    def scale_to(self, pool, n):
+        self.scaled.append((pool, n))
+
+    def drain(self, actor_id):
+        pass
+
+
+def _autoscaler(control, max_actors=2):
+    from turnscale.control import Autoscaler
+    from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
+
+    policy = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=max_actors),), window=2)
+    return Autoscaler(control=control, controller=ScalingController(policy, wanted={"cpu": 1}), backend=NullBackend())
+
+
+def test_the_learners_lease_limit_is_left_alone_unless_a_decision_changes_it():
+    """The first decision used to send the policy's ``max_leases`` (4) to a learner at its default
+    64, throttling actors that could hold more.  Balanced or starved, 64 stays (starved adds an
+    actor instead); only a saturated learner gets a lower limit, into the policy's range."""
+    balanced = FakeControl(leases=64, idle=0.15, ready=2)
+    auto = _autoscaler(balanced)
+    for _ in range(5):
+        auto.tick()
+    assert not [r for r in balanced.requests if r.max_leases_per_actor] and balanced.leases == 64
+
+    starved = FakeControl(leases=64, idle=0.8, ready=0)
+    auto = _autoscaler(starved)
+    for _ in range(3):
+        auto.tick()
+    assert not [r for r in starved.requests if r.max_leases_per_actor] and auto.backend.scaled == [("cpu", 2)]
+
+    saturated = FakeControl(leases=64, idle=0.0, ready=8)
+    auto = _autoscaler(saturated)
+    for _ in range(3):
+        auto.tick()
+    assert [r.max_leases_per_actor for r in saturated.requests if r.max_leases_per_actor] == [4]
+
