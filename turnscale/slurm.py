@@ -62,6 +62,7 @@ it stops within seconds, docs/architecture.md "Graceful stop").
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -241,6 +242,22 @@ class Scripts:
         return out
 
 
+def run_tag(run: str) -> str:
+    """Eight hex digits naming the run (its folder) in job names (``ts-actors-<pool>-<tag>``), so
+    ``squeue --name`` counts this run's tasks, never another run's pool of the same name."""
+    return hashlib.sha1(os.path.abspath(run).encode()).hexdigest()[:8]
+
+
+def job_name(script: Path, default: str) -> str:
+    """The job name a script declares (``#SBATCH --job-name=X`` or ``-J X``), else ``default``."""
+    try:
+        text = script.read_text()
+    except OSError:
+        return default
+    m = re.search(r"^#SBATCH\s+(?:--job-name=|-J\s*)(\S+)", text, re.M)
+    return m.group(1) if m else default
+
+
 def _job_overrides(overrides: Sequence[str]) -> list[str]:
     """The command line's Hydra overrides every job gets: all but ``slurm.*``."""
     return [o for o in overrides if not o.startswith(("slurm.", "slurm=", "+slurm"))]
@@ -278,7 +295,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     if s.learner_ranks > 1:  # one job, K ranks on its node: rank 0 serves, all train (learner/ranks.py)
         learner_cmd = [s.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={s.learner_ranks}",
                        "-m", "turnscale"]
-    learner = _sbatch_header("ts-learner", f"{run}/logs/learner-%j.log", partition=s.partition, account=s.account,
+    learner = _sbatch_header(f"ts-learner-{run_tag(run)}", f"{run}/logs/learner-%j.log", partition=s.partition, account=s.account,
                              time=s.time, cpus=s.learner_cpus, constraint=s.learner_constraint, gres=s.learner_gres)
     done = shlex.quote(f"{run}/learner.done")
     learner += ["# turnscale learner: trains, leases work, publishes weights; its address goes to learner.addr",
@@ -304,7 +321,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
     files["learner.sbatch"] = "\n".join(learner) + "\n"
 
     if not s.env_url:
-        env = _sbatch_header("ts-envhub", f"{run}/logs/envhub-%j.log", partition=s.partition, account=s.account,
+        env = _sbatch_header(f"ts-envhub-{run_tag(run)}", f"{run}/logs/envhub-%j.log", partition=s.partition, account=s.account,
                              time=s.time, cpus=s.envhub_cpus)
         env += ["# turnscale envhub: the env server the actors play on; its URL goes to envhub.url",
                 "set -euo pipefail", f"cd {shlex.quote(workdir)}",
@@ -366,7 +383,7 @@ def _device_env(pool: PoolConfig) -> list[str]:
 def _actor_script(cfg: Config, pool: PoolConfig, run: str, workdir: str, py: list[str], common: list[str]) -> str:
     s = cfg.slurm
     array = f"0-{pool.count - 1}" if pool.count > 0 else ""
-    lines = _sbatch_header(f"ts-actors-{pool.name}", f"{run}/logs/actors-{pool.name}-%A_%a.log",
+    lines = _sbatch_header(f"ts-actors-{pool.name}-{run_tag(run)}", f"{run}/logs/actors-{pool.name}-%A_%a.log",
                            partition=pool.partition or s.partition, account=s.account, time=s.time,
                            cpus=pool.cpus_per_task, constraint=pool.constraint, gres=pool_gres(pool), array=array)
     lines.append("#SBATCH --no-requeue  # a task lost with its node is replaced by SlurmBackend under a new actor id")
@@ -540,9 +557,11 @@ class SlurmBackend:
     def live(self, pool: str) -> int:
         """Array tasks of ``pool`` that Slurm still holds (pending or running), from
         ``squeue``: a task whose node died (or that crashed) is no longer counted, unlike
-        "submitted minus drained"."""
+        "submitted minus drained".  Matched by the job name the pool's script declares
+        (``ts-actors-<pool>-<run tag>``: this run's tasks only)."""
+        name = job_name(self.folder / f"actors-{pool}.sbatch", f"ts-actors-{pool}")
         out = self.runner(["squeue", "--noheader", "--array", "--states=PENDING,CONFIGURING,RUNNING",
-                           f"--name=ts-actors-{pool}", "--format=%i"])
+                           f"--name={name}", "--format=%i"])
         return sum(1 for line in out.splitlines() if line.strip())
 
     def refresh(self) -> dict[str, int]:

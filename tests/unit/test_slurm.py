@@ -677,3 +677,23 @@ def test_jobs_after_the_learner_start_once_it_has_started(tmp_path):
     assert "--dependency" not in " ".join(calls[0])
     assert all(c[2] == "--dependency=after:301" for c in calls[1:]) and len(calls) == 4
 
+
+def test_squeue_counts_only_this_runs_tasks_not_another_runs_pool_of_the_same_name(tmp_path):
+    """``squeue`` was matched by the job name ``ts-actors-<pool>`` alone, so another run's pool
+    ``cpu`` counted as this run's: the names now carry the run's tag (from its folder) and the
+    backend asks for the name its pool's script declares."""
+    names = {}
+    for run in ("a", "b"):
+        o = ["slurm.pools=[{name:cpu,count:2}]", f"slurm.dir={tmp_path}/{run}"]
+        s = slurm.render(conf.load(o), o)
+        s.write(tmp_path / run)
+        names[run] = slurm.job_name(tmp_path / run / "actors-cpu.sbatch", "")
+        assert f"#SBATCH --job-name=ts-learner-{slurm.run_tag(str(tmp_path / run))}" in s.files["learner.sbatch"]
+    assert names["a"] != names["b"] and names["a"] == f"ts-actors-cpu-{slurm.run_tag(str(tmp_path / 'a'))}"
+    queue = {names["a"]: "11_0\n11_1\n", names["b"]: "12_0\n12_1\n12_2\n"}
+
+    def runner(cmd):
+        return queue.get(next(a for a in cmd if a.startswith("--name=")).removeprefix("--name="), "")
+
+    assert slurm.SlurmBackend(tmp_path / "a", {"cpu": 2}, runner=runner).refresh() == {"cpu": 2}
+    assert slurm.SlurmBackend(tmp_path / "b", {"cpu": 2}, runner=runner).refresh() == {"cpu": 3}
