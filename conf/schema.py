@@ -796,6 +796,11 @@ class SlurmConfig:
     (and, while waiting for its URL, the envhub job) is still queued or running: one that has
     left the queue without ``learner.done`` (cancelled, killed, out of memory, node lost) ends
     them within about this long.  Every job asks once per period: keep it long on big clusters."""
+    resubmit_backoff_s: float = 30.0
+    """``turnscale autoscale``: a pool whose resubmitted actors are lost again before registering
+    (they keep failing) waits this long before the next resubmission, doubling each time."""
+    resubmit_backoff_max_s: float = 600.0
+    """Longest wait between resubmissions of a failing pool."""
     free_ports: bool = True
     """The learner and envhub jobs pick ports no socket on their node uses when they start
     (``learner.port``/``pub_port``/``weights_port``, ``env.port`` are then ignored) and publish
@@ -818,6 +823,8 @@ class SlurmConfig:
         _require(self.learner_cpus >= 1 and self.envhub_cpus >= 1 and self.wait_s >= 1, "slurm", "cpus and wait_s must be >= 1")
         _require(self.learner_ranks >= 1, "slurm.learner_ranks", f"must be >= 1, got {self.learner_ranks}")
         _require(self.poll_s >= 1, "slurm.poll_s", f"must be >= 1 second, got {self.poll_s}")
+        _require(0 < self.resubmit_backoff_s <= self.resubmit_backoff_max_s, "slurm.resubmit_backoff_s",
+                 "needs 0 < resubmit_backoff_s <= resubmit_backoff_max_s")
 
 
 @dataclass(kw_only=True)

@@ -76,7 +76,7 @@ def build(cfg, host: str, port: int):
                                        for p in pools))
     backend = SlurmBackend(Path(cfg.slurm.dir), {p.name: p.count for p in pools})
     return Autoscaler(control=control, controller=ScalingController(policy, wanted={p.name: p.count for p in pools}),
-                      backend=backend)
+                      backend=backend, backoff_s=cfg.slurm.resubmit_backoff_s, backoff_max_s=cfg.slurm.resubmit_backoff_max_s)
 
 
 def main(argv: Sequence[str] = ()) -> int:

@@ -11,8 +11,9 @@ learner, or ask the backend for more).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -91,6 +92,13 @@ class Autoscaler:
     backend: ScalingBackend
     last: LearnerStatus | None = None
     decisions: list[Decision] = field(default_factory=list)
+    backoff_s: float = 30.0
+    """First wait before resubmitting a pool's lost actors again (``slurm.resubmit_backoff_s``)."""
+    backoff_max_s: float = 600.0
+    """Longest wait (``slurm.resubmit_backoff_max_s``)."""
+    clock: Callable[[], float] = time.monotonic
+    failures: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Pool -> (resubmissions in a row whose actors have not registered, earliest next one)."""
 
     def replace_lost(self) -> dict[str, int]:
         """Resubmit actors that the resource manager lost: a backend that can count what it
@@ -100,17 +108,42 @@ class Autoscaler:
         their leases when ``lease_ttl_s`` passes).  Pending tasks count as live, so a task
         waiting for a node is not submitted twice; a draining actor's task still counts until
         it ends, so a drain never triggers a replacement.  Returns the pools scaled (pool ->
-        wanted); a backend without ``refresh`` is left alone."""
+        wanted); a backend without ``refresh`` is left alone.  A pool whose resubmitted actors
+        are lost again before registering (they keep failing) is resubmitted with exponential
+        back-off (``backoff_s`` doubling up to ``backoff_max_s``; logged as a warning,
+        ``failures``); once its actors have registered the count starts afresh."""
         refresh = getattr(self.backend, "refresh", None)
         if refresh is None:
             return {}
         have = refresh()
-        out = {}
+        registered = self._registered()
+        now, out = self.clock(), {}
         for pool, want in self.controller.wanted.items():
-            if pool in have and have[pool] < want:
+            if registered.get(pool, 0) >= want:
+                self.failures.pop(pool, None)  # its actors are up: the next loss starts afresh
+            if pool not in have or have[pool] >= want:
+                continue
+            n, not_before = self.failures.get(pool, (0, now))
+            if now < not_before:
+                continue
+            delay = min(self.backoff_max_s, self.backoff_s * 2 ** n)
+            self.failures[pool] = (n + 1, now + delay)
+            if n:
+                log.warning("scaling: pool %s lost its actors again (%d resubmissions in a row, none registered): "
+                            "resubmitting; the next no sooner than %.0fs from now (see the pool's job logs)",
+                            pool, n + 1, delay)
+            else:
                 log.info("scaling: pool %s runs %d of %d actors (lost ones): resubmitting", pool, have[pool], want)
-                self.backend.scale_to(pool, want)
-                out[pool] = want
+            self.backend.scale_to(pool, want)
+            out[pool] = want
+        return out
+
+    def _registered(self) -> dict[str, int]:
+        """Pool -> actors registered with the learner (not draining) in the last status."""
+        out: dict[str, int] = {}
+        for a in self.last.actors if self.last is not None else []:
+            if not a.draining:
+                out[a.pool] = out.get(a.pool, 0) + 1
         return out
 
     def tick(self) -> Decision | None:

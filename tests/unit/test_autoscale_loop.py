@@ -156,3 +156,40 @@ def test_the_learners_lease_limit_is_left_alone_unless_a_decision_changes_it():
         auto.tick()
     assert [r.max_leases_per_actor for r in saturated.requests if r.max_leases_per_actor] == [4]
 
+
+def test_a_pool_whose_actors_keep_failing_is_resubmitted_with_exponential_back_off():
+    """Its tasks crash before registering and leave the queue: every round used to resubmit.
+    Now 30 s, 60 s, 120 s ... (capped) pass between resubmissions, each one logged; once its
+    actors register the next loss is replaced at once again."""
+    from turnscale.control import Autoscaler
+    from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
+
+    class Failing:
+        def __init__(self):
+            self.submitted = []
+
+        def refresh(self):
+            return {"cpu": 0}  # whatever was submitted has failed and left the queue
+
+        def scale_to(self, pool, n):
+            self.submitted.append(now[0])
+
+        def drain(self, actor_id):
+            pass
+
+    now = [0.0]
+    b = Failing()
+    policy = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=2),))
+    auto = Autoscaler(control=None, controller=ScalingController(policy, wanted={"cpu": 1}), backend=b,  # type: ignore[arg-type]
+                      backoff_s=30.0, backoff_max_s=100.0, clock=lambda: now[0])
+    for t in range(0, 400, 10):
+        now[0] = float(t)
+        auto.replace_lost()
+    assert b.submitted == [0.0, 30.0, 90.0, 190.0, 290.0, 390.0]  # waits 30, 60, 100 (cap), 100, 100
+    assert auto.failures["cpu"][0] == 6
+
+    control = FakeControl(leases=4, idle=0.15, ready=2, actors=1)  # its actor registered
+    auto.last = control.status()
+    now[0] = 395.0
+    auto.replace_lost()
+    assert b.submitted[-1] == 395.0 and auto.failures["cpu"][0] == 1  # afresh: at once, count restarted
