@@ -455,6 +455,11 @@ class FsdpConfig:
     ``bfloat16`` on cuda/npu and ``float32`` on cpu; or ``float32``, ``bfloat16``, ``float16``."""
     reduce_dtype: str = "float32"
     """Dtype of the gradient reduce-scatter across ranks."""
+    meta_init: bool = True
+    """Build the model on the meta device and have each rank read only its shards of the
+    model folder's safetensors, so no rank ever holds the whole model; false: every rank
+    loads the whole model, then shards it (for checkpoints whose tensor names transformers
+    converts on load)."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's
     ``CPUOffloadPolicy``): each unit is copied to the device for its forward and backward,

@@ -141,3 +141,84 @@ def local_bytes(params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, (torch.Tensor, DTensor))]
     return {"parameters": sum(nbytes(p) for p in params), "gradients": sum(nbytes(p) for p in params),
             "optimizer": sum(nbytes(v) for v in state)}
+
+
+def load_pretrained_sharded(model_path: str, device: torch.device, *, prepare: Any, shard_fn: Any) -> nn.Module:
+    """The HF causal LM of ``model_path``, sharded, without any rank holding the whole model:
+    built on the meta device (buffers such as rotary frequencies computed for real),
+    ``prepare(model)`` (attention, caching, checkpointing: settings that must precede
+    sharding), ``shard_fn(model)``, then each rank allocates only its shards on ``device`` and
+    reads only its rows of each tensor from the folder's safetensors (``load_local_shards``).
+    Collective-free: every rank does it on its own."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # from_config leaves meta weights untied (transformers 5)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    prepare(model)
+    shard_fn(model)
+    model.to_empty(device=device)
+    for name, b in buffers.items():  # to_empty left them uninitialised
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = b.to(device)
+    load_local_shards(model, model_path)
+    return model
+
+
+def safetensors_index(model_path: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file of ``model_path`` that holds it."""
+    import json
+    import os
+
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(model_path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(model_path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{model_path} holds neither model.safetensors nor model.safetensors.index.json "
+                                f"(learner.strategy=fsdp loads shards from safetensors)")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+@torch.no_grad()
+def load_local_shards(model: nn.Module, model_path: str) -> None:
+    """Copy this rank's rows of every parameter of the sharded ``model`` (and every persistent
+    buffer, whole) from ``model_path``'s safetensors, reading only those rows (safetensors
+    slices).  A tied weight stored once is loaded once; a tensor the files lack is an error."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    where = safetensors_index(model_path)
+    loaded: set[int] = set()
+    handles: dict[str, Any] = {}
+    missing = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in loaded:
+            continue  # a tied weight under its second name
+        if name not in where:
+            missing.append(name)
+            continue
+        f = handles.get(where[name]) or handles.setdefault(where[name], safe_open(where[name], framework="pt"))
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            if local.numel():
+                start = offset[0] if len(shape) else 0
+                data = f.get_slice(name)[start:start + shape[0]] if len(shape) else f.get_tensor(name)
+                local.copy_(data.reshape(local.shape).to(local.dtype))
+        else:
+            t.copy_(f.get_tensor(name).to(t.dtype))
+        loaded.add(id(t))
+    tied_later = [n for n in missing if id(model.state_dict(keep_vars=True)[n]) in loaded]
+    missing = [n for n in missing if n not in tied_later]
+    if missing:
+        raise KeyError(f"{model_path}: no tensor for {missing[:5]} in its safetensors (a checkpoint of another "
+                       f"architecture, or names transformers converts on load); set learner.fsdp.meta_init=false")

@@ -191,7 +191,6 @@ class Trainer:
 
     def __init__(self, cfg: Any, model_path: str, *, total_steps: int | None = None) -> None:
         from accelerate.utils import set_seed
-        from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
         self.algo = cfg.algo
@@ -209,30 +208,18 @@ class Trainer:
         set_seed(cfg.learner.seed)
 
         self.packing = cfg.algo.packing
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        model.config.use_cache = False
-        if self.packing == "varlen":
-            use_varlen_attention(model)
-        model.train()
-        if cfg.learner.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = _load_tokenizer(model_path)
-        self.model = self._wrap(model)
+        self.model = self._load_lm(model_path, self._prepare_policy)
         self.value_head: nn.Module | None = None
         if self.algo.name == "ppo":
-            hidden = model.config.get_text_config().hidden_size
+            hidden = self.hf_model.config.get_text_config().hidden_size
             head = nn.Linear(hidden, 1)
             nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden + 1))
             nn.init.zeros_(head.bias)
             self.value_head = self._wrap(head)
         self.ref_model = None
         if self.algo.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            ref.config.use_cache = False
-            ref.requires_grad_(False).eval()
-            if self.packing == "varlen":
-                use_varlen_attention(ref)
-            self.ref_model = self._wrap(ref, evaluation_mode=True)
+            self.ref_model = self._load_lm(model_path, self._prepare_reference, evaluation_mode=True)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if self.value_head is not None:
@@ -249,17 +236,49 @@ class Trainer:
         """Groups of the last ``train_step`` dropped for a non-finite value: index in the
         step's groups -> what was wrong (see the module docstring); none were trained."""
 
+    def _prepare_policy(self, model: nn.Module) -> None:
+        model.config.use_cache = False
+        if self.packing == "varlen":
+            use_varlen_attention(model)
+        model.train()
+        if self.cfg.learner.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def _prepare_reference(self, model: nn.Module) -> None:
+        model.config.use_cache = False
+        model.requires_grad_(False).eval()
+        if self.packing == "varlen":
+            use_varlen_attention(model)
+
+    def _load_lm(self, model_path: str, prepare: Callable[[nn.Module], None], *, evaluation_mode: bool = False) -> nn.Module:
+        """The HF causal LM of ``model_path`` in float32, ``prepare``d and wrapped (``_wrap``).
+        Sharded with ``learner.fsdp.meta_init``: built on the meta device and each rank reads
+        only its shards (``fsdp.load_pretrained_sharded``), so no rank holds the whole model."""
+        if self.sharded and self.cfg.learner.fsdp.meta_init:
+            from turnscale.learner import fsdp
+
+            return fsdp.load_pretrained_sharded(model_path, self.device, prepare=prepare, shard_fn=self._shard)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        prepare(model)
+        return self._wrap(model, evaluation_mode=evaluation_mode)
+
     def _wrap(self, module: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
         """``module`` on the device, sharded (``learner.fsdp``: per decoder layer, then the
         root) or replicated by accelerate (DDP when there are several ranks)."""
         if not self.sharded:
             return self.accelerator.prepare_model(module, evaluation_mode=evaluation_mode)
+        return self._shard(module.to(self.device))
+
+    def _shard(self, module: nn.Module) -> nn.Module:
+        """``module`` sharded over the ranks (``learner.fsdp``), in place."""
         from turnscale.learner import fsdp
 
         lc = self.cfg.learner
         if self._mesh is None:
             self._mesh = fsdp.device_mesh(self.device)
-        return fsdp.shard(module.to(self.device), fsdp.mixed_precision(lc.fsdp, lc.device), mesh=self._mesh,
+        return fsdp.shard(module, fsdp.mixed_precision(lc.fsdp, lc.device), mesh=self._mesh,
                           offload_policy=fsdp.offload(lc.fsdp, lc.device))
 
     # ------------------------------------------------------------------ public API

@@ -47,7 +47,7 @@ def _publish(state: dict, dtype: str) -> tuple[bytes, list[int]]:
 
 @pytest.mark.parametrize("mode", ["grpo", "ppo"])
 def test_fsdp_on_two_ranks_takes_the_steps_of_one_process_publishes_its_bytes_and_resumes_exactly(tmp_path, mode):
-    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
+    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=fsdp_worker.VOCAB, intermediate=64)
     got = torch.load(_run_ranks(tmp_path, model_dir, mode), weights_only=True)
     assert got["layers_sharded"] == 2 and got["checkpointing"] == (mode == "ppo")
 
