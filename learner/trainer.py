@@ -6,7 +6,9 @@ DDP when started with ``torchrun`` / ``accelerate launch``), AdamW, a warm-up +
 constant/cosine LR schedule and grad-norm clipping.  With ``learner.strategy=fsdp`` on
 several ranks, all three modules are sharded with torch FSDP2 instead (``learner.fsdp``:
 per decoder layer, then the root; mixed precision from ``learner.fsdp``; no accelerate
-wrapper, autocast or loss scaler) and AdamW runs over the shards (``sharded``).
+wrapper, autocast or loss scaler) and AdamW runs over the shards (``sharded``).  With
+``learner.fsdp.meta_init`` (default) the policy and the reference are built on the meta
+device and each rank reads only its shards from the safetensors.
 ``learner.activation_checkpointing`` recomputes each decoder layer in the backward (HF's
 gradient checkpointing, non-reentrant), under either strategy.
 

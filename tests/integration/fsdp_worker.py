@@ -15,6 +15,7 @@ Rank 0 saves it all to ``out`` (torch.save) for the test to compare with one pro
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -112,10 +113,12 @@ def memory(model_dir: str, out: str) -> None:
     cfg = config("grpo")
     cfg.algo.kl_coef = 0.0
     cfg.learner.fsdp.meta_init = False  # whole model on every rank, then sharded (the other loading path)
+    cfg.learner.fsdp.param_dtype = "bfloat16"  # the GPU default: bf16 compute over float32 shards
     tr = Trainer(cfg, model_dir)
     rank, world = tr.accelerator.process_index, tr.accelerator.num_processes
     m = tr.train_step(memory_batch()[rank::world])
-    assert tr.sharded and tr.step == 1, m
+    assert tr.sharded and tr.step == 1 and math.isfinite(m["loss/grad_norm"]), m
+    assert all(p.dtype == torch.float32 for p in tr.params)  # the shards the optimizer steps stay float32
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(fsdp.local_bytes(tr.params, tr.optimizer), f)
 

@@ -130,7 +130,9 @@ def test_two_rank_fsdp_learner_publishes_the_weights_of_a_one_rank_learner_also_
 def test_each_of_four_fsdp_ranks_holds_under_a_third_of_a_replicas_training_state(tmp_path):
     """A 50M-parameter Qwen2-architecture model: after one optimizer step each of 4 ranks holds
     1/4 of every parameter, gradient and AdamW moment (plus each parameter's step counter and
-    uneven last shards), counted from its local tensors; a replica (one DDP rank) holds all."""
+    uneven last shards), counted from its local tensors; a replica (one DDP rank) holds all.
+    The ranks compute in bfloat16 (``learner.fsdp.param_dtype``, the GPU default): the shards
+    and the optimizer state stay float32, so the bytes are a quarter of the float32 replica's."""
     import json
 
     model_dir = build_tiny_model(str(tmp_path / "m"), hidden=512, layers=12, heads=8, kv_heads=2, intermediate=1536,
@@ -146,5 +148,4 @@ def test_each_of_four_fsdp_ranks_holds_under_a_third_of_a_replicas_training_stat
         with open(f"{out}.{rank}.json") as f:
             held = json.load(f)
         for part in ("parameters", "gradients", "optimizer"):
-            assert held[part] <= 0.3 * replica[part], (rank, part, held, replica)
-        assert sum(held.values()) >= 0.24 * sum(replica.values())  # the shards are really held
+            assert 0.24 * replica[part] <= held[part] <= 0.3 * replica[part], (rank, part, held, replica)
