@@ -9,6 +9,7 @@ PPO with its sharded critic and activation checkpointing."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -149,3 +150,35 @@ def test_each_of_four_fsdp_ranks_holds_under_a_third_of_a_replicas_training_stat
             held = json.load(f)
         for part in ("parameters", "gradients", "optimizer"):
             assert 0.24 * replica[part] <= held[part] <= 0.3 * replica[part], (rank, part, held, replica)
+
+
+@pytest.mark.slow
+def test_sigterm_to_an_fsdp_torchrun_learner_writes_every_ranks_shards_and_stops_the_followers(tmp_path, monkeypatch):
+    """scancel's SIGTERM: rank 0 finishes its step and checkpoints, which under FSDP has every
+    follower (ignoring the signal) write its shards first; then the followers stop."""
+    from tests.integration.scripted_actor import ScriptedActor
+    from tests.integration.test_learner_ranks import VOCAB, end, learner_args, start_learner
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=VOCAB, intermediate=64)
+    ports = [free_port() for _ in range(3)]
+    log = str(tmp_path / "two.log")
+    args = learner_args(str(tmp_path / "run"), model_dir, ports, 10, "learner.checkpoint_every=100",
+                        "learner.strategy=fsdp", "learner.fsdp.param_dtype=float32")
+    proc = start_learner(args, 2, log)
+    actor = ScriptedActor(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", vocab=VOCAB)
+    try:
+        actor.hello()
+        actor.feed(120, max_groups=4)  # one step
+        actor.announcement(1)
+        os.kill(proc.pid, signal.SIGTERM)  # what scancel does to the job's torchrun
+        proc.wait(timeout=60)
+    finally:
+        actor.close()
+        end(proc)
+    text = open(log).read()
+    step = tmp_path / "run" / "checkpoints" / "step-00000001"  # checkpoint_every=100: the signal's
+    assert (step / "meta.json").is_file() and checkpoint.is_sharded(str(step)), text[-4000:]
+    assert {p.name for p in step.iterdir()} >= {"rng-0.pt", "rng-1.pt", "trainer_state.pt"}, text[-4000:]
+    assert len([p for p in (step / "sharded").iterdir() if p.suffix == ".distcp"]) == 2, text[-4000:]
+    assert "learner rank 1 stops (done) at step 1" in text, text[-4000:]
