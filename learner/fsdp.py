@@ -222,3 +222,38 @@ def load_local_shards(model: nn.Module, model_path: str) -> None:
     if missing:
         raise KeyError(f"{model_path}: no tensor for {missing[:5]} in its safetensors (a checkpoint of another "
                        f"architecture, or names transformers converts on load); set learner.fsdp.meta_init=false")
+
+
+def planned_state_bytes(model_path: str, world: int, *, strategy: str = "fsdp", value_head: bool = False) -> dict[str, int]:
+    """Bytes the most loaded rank holds for the policy's training state, predicted from the
+    model folder's ``config.json`` alone (the model is built on the meta device to count its
+    tensors; no weights are read): float32 ``parameters``, ``gradients`` (one per parameter)
+    and AdamW's two float32 moments plus a step counter per parameter (``optimizer``).
+    ``fsdp`` shards every tensor by rows over ``world`` ranks (``torch.chunk``: the first
+    ranks get ``ceil(rows / world)``); ``ddp`` holds everything on every rank.  Tied weights
+    count once.  Not included: activations, the gathered (unsharded) layer in flight, the
+    reference model, the publication buffer: the memory plan's other terms."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    shapes = [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied weight once
+    if value_head:
+        hidden = config.get_text_config().hidden_size
+        shapes += [(1, hidden), (1,)]
+    ways = world if strategy == "fsdp" else 1
+
+    def held(shape: tuple[int, ...]) -> int:
+        if not shape:
+            return 1
+        rows = -(-shape[0] // ways)
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        return rows * rest
+
+    n = sum(held(s) for s in shapes)
+    return {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n + 4 * len(shapes)}

@@ -74,6 +74,8 @@ def test_fsdp_on_two_ranks_takes_the_steps_of_one_process_publishes_its_bytes_an
     replica = fsdp.local_bytes(single.params, single.optimizer)
     for part in ("parameters", "gradients", "optimizer"):
         assert got["memory"][part] <= 0.55 * replica[part], (part, got["memory"], replica)
+    # rank 0 takes the larger half of each odd split: what the plan counts from config.json
+    assert fsdp.planned_state_bytes(model_dir, 2, value_head=mode == "ppo") == got["memory"]
 
     # publication: for the same weights, the bytes (and chunk checksums) of a replicated learner
     single._load_model_state(got["state"])
@@ -150,6 +152,9 @@ def test_each_of_four_fsdp_ranks_holds_under_a_third_of_a_replicas_training_stat
             held = json.load(f)
         for part in ("parameters", "gradients", "optimizer"):
             assert 0.24 * replica[part] <= held[part] <= 0.3 * replica[part], (rank, part, held, replica)
+    # ... and the plan from config.json alone predicts both (the most loaded rank; a replica)
+    assert fsdp.planned_state_bytes(model_dir, 4) == held  # every dimension splits evenly by 4 here
+    assert fsdp.planned_state_bytes(model_dir, 4, strategy="ddp") == replica
 
 
 @pytest.mark.slow
