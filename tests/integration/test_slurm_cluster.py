@@ -246,3 +246,63 @@ def test_readme_slurm_quick_start_runs_as_written_with_curve_on(tmp_path):
         assert (run / "learner.addr").read_text().split()[0] == net.addr("n1")
         trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
         assert {parse_actor_id(t["actor_id"])[0] for t in trajs if t["accepted"]} == {"cpu"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_two_rank_learner_cancelled_resumes_on_resubmission_and_on_requeue_its_actor_follows(tmp_path, tiny_model_dir):
+    """A two-rank learner job (torchrun) under ``scancel``: rank 0 checkpoints the step it is
+    at, every rank stops, no ``learner.done`` is written, and the envhub and actor jobs end
+    because the learner job has left the queue (``slurm.poll_s``).  ``turnscale slurm`` again
+    with the same overrides resumes from that checkpoint (``learner.resume`` set by the
+    script) with new actors.  Then the learner job is requeued (``scontrol requeue``): it
+    resumes again on new ports, and the running actor job restarts its actor against the new
+    address (same actor id) and trains on.  Nothing is trained twice within an incarnation."""
+    c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=8)])
+    run = tmp_path / "run"
+    overrides = run_overrides(run, tiny_model_dir, pools="[{name:cpu,count:1,constraint:cpu,cpus_per_task:1}]",
+                              steps=100000, groups_per_step=1, max_groups=1,
+                              extra=["slurm.learner_ranks=2", "learner.checkpoint_every=2"])
+
+    def steps() -> list[int]:
+        f = run / "learner" / "metrics.jsonl"
+        return [m["step"] for m in read_jsonl(f)] if f.exists() else []
+
+    def log_of(job: str) -> str:
+        p = run / "logs" / f"learner-{job}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    with slurm_session(c, 90, run=run):
+        job = learner_job(submit(c, overrides))
+        wait_for(lambda: max(steps(), default=0) >= 3, 420, "three steps")
+        c.run(["scancel", "--full", job])
+        wait_for(lambda: not c.jobs(), 240, "every job ending after the learner job was cancelled")
+        log = log_of(job)
+        assert "learner got SIGTERM; checkpointing and stopping" in log and "stopped by a signal" in log, log[-3000:]
+        assert not (run / "learner.done").exists()
+        stopped_at = max(steps())
+        newest = max(int(p.name.removeprefix("step-")) for p in (run / "learner" / "checkpoints").glob("step-*"))
+        assert newest == stopped_at, (newest, stopped_at)  # the stop checkpointed the step it was at
+
+        out = submit(c, overrides)  # resubmission: the run continues
+        assert "the learner resumes from" in out, out
+        job2 = learner_job(out)
+        wait_for(lambda: f"resumed at step {stopped_at}" in log_of(job2), 300, "the resubmitted learner resuming")
+        wait_for(lambda: max(steps()) >= stopped_at + 2, 300, "two steps after the resume")
+        addr = (run / "learner.addr").read_text()
+        actor_jobs = {j for j, name, _ in c.jobs() if name.startswith("ts-actors-")}
+        assert actor_jobs, c.jobs()
+
+        c.run(["scontrol", "requeue", job2])  # the same job again: resume, new ports, the actor follows
+        wait_for(lambda: (run / "learner.addr").exists() and (run / "learner.addr").read_text() != addr, 300,
+                 "the requeued learner publishing its new address")
+        at = max(steps())
+        wait_for(lambda: max(steps()) >= at + 2, 300, "two steps after the requeue")
+        actor_logs = "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("actors-*.log"))
+        assert "the learner moved to" in actor_logs and not (run / "learner.done").exists()
+        assert actor_jobs <= {j for j, _, _ in c.jobs()}, "the actor job ended instead of following the learner"
+        trajs = read_jsonl(run / "learner" / "trajectories.jsonl")
+        check_groups(trajs)
+        check_ledger(run / "learner", unique_tasks=False)
+
