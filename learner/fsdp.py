@@ -13,8 +13,14 @@ the same order (the trainer's invariant of equal forwards and backwards per step
 step; ``learner.ranks`` starts publication and checkpoints on the followers with
 ``RankCollective``).
 
-Memory per rank (parameters, gradients, optimizer state): ``local_bytes``; the test compares
-it with a replica's.
+Loading (``learner.fsdp.meta_init``, default): ``load_pretrained_sharded`` builds the model on
+the meta device, shards it, and each rank reads only its rows of each tensor from the
+folder's safetensors, so no rank ever holds the whole model.  ``learner.fsdp.cpu_offload``
+keeps the shards, gradients and optimizer state in host memory (``offload``).
+
+Memory per rank (parameters, gradients, optimizer state): ``local_bytes`` counts it from the
+local tensors; ``planned_state_bytes`` predicts it from ``config.json`` alone (equal on the
+tested models).
 """
 
 from __future__ import annotations
