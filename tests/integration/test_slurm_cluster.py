@@ -306,3 +306,50 @@ def test_two_rank_learner_cancelled_resumes_on_resubmission_and_on_requeue_its_a
         check_groups(trajs)
         check_ledger(run / "learner", unique_tasks=False)
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_autoscaler_drains_an_actor_when_the_learners_own_signals_say_it_is_saturated(tmp_path, tiny_model_dir):
+    """Scale-down from the learner's signals alone (the other autoscaler test forces it with
+    ``max_actors=1``): a slow learner (``learner.debug_step_delay_s``) with two actors is never
+    idle and groups wait in its ready buffer, so the controller, with the pool's bounds 1..2
+    untouched, first lowers the lease limit and then drains one actor; its job ends by itself,
+    the drained actor gets no lease after the drain and its groups are trained."""
+    from turnscale.control import Autoscaler, LearnerControl
+    from turnscale.scaling import PoolPolicy, ScalingController, ScalingPolicy
+    from turnscale.slurm import SlurmBackend
+
+    c = FakeSlurm(tmp_path / "slurm", [Node("n1", ("cpu",), cpus=8)])
+    run = tmp_path / "run"
+    overrides = run_overrides(run, tiny_model_dir, pools="[{name:cpu,count:2,constraint:cpu,cpus_per_task:1}]",
+                              steps=100000, groups_per_step=1, max_groups=1, extra=["learner.debug_step_delay_s=3"])
+    with slurm_session(c, 90, run=run) as hold:
+        job = learner_job(submit(c, overrides))
+        _, port = learner_address(run)
+        control = hold(LearnerControl("127.0.0.1", port, timeout_s=30))
+        wait_for(lambda: len(control.status().actors) == 2 and control.status().step >= 1, 300, "two actors and a step")
+        backend = SlurmBackend(run, {"cpu": 2}, runner=lambda cmd: subprocess.run(
+            list(cmd), env=c.env(), capture_output=True, text=True, check=True, timeout=60).stdout)
+        policy = ScalingPolicy(pools=(PoolPolicy(name="cpu", min_actors=1, max_actors=2),), window=2, up_idle=0.5,
+                               down_idle=0.1, ready_low=0.5, ready_high=1.0, min_leases=1, max_leases=1)
+        auto = Autoscaler(control=control, controller=ScalingController(policy, wanted={"cpu": 2}), backend=backend)
+
+        def drained() -> bool:
+            auto.tick()
+            return bool(backend.drained)
+
+        wait_for(drained, 240, "a drain decided from the learner's signals", every_s=2.0)
+        d = next(d for d in auto.decisions if d.changed and d.wanted == {"cpu": 1})
+        assert d.reason.startswith("saturated") and policy.pools[0].max_actors == 2, d.reason
+        gone = backend.drained[-1]
+        wait_for(lambda: gone not in {a.actor_id for a in control.status().actors}, 180, f"{gone} leaving")
+        wait_for(lambda: sum(1 for _, name, _ in c.jobs() if name.startswith("ts-actors-")) == 1, 120,
+                 "the drained actor's task ending")
+        c.run(["scancel", "--full", job])
+        wait_for(lambda: not c.jobs(), 240, "every job ending")
+        log = learner_log(run)
+        assert f"actor {gone} drained" in log
+        assert f"granted to actor {gone}" not in log[log.index(f"actor {gone} (pool cpu) draining"):]
+        check_groups(read_jsonl(run / "learner" / "trajectories.jsonl"))
+        check_ledger(run / "learner")
