@@ -79,9 +79,18 @@ def build(cfg, host: str, port: int):
                       backend=backend, backoff_s=cfg.slurm.resubmit_backoff_s, backoff_max_s=cfg.slurm.resubmit_backoff_max_s)
 
 
-def main(argv: Sequence[str] = ()) -> int:
+def load_config(overrides: Sequence[str]):
+    """The run's config as ``turnscale slurm`` loaded it; when the run uses its own CURVE keys
+    (``turnscale.slurm.run_keys``: none given), connect with their ``control`` pair."""
     from turnscale import conf
     from turnscale.slurm import run_keys
+
+    cfg = conf.load(overrides)
+    keys = run_keys(cfg)
+    return cfg if keys is None else conf.load([*overrides, *keys.control_overrides()])
+
+
+def main(argv: Sequence[str] = ()) -> int:
 
     p = argparse.ArgumentParser(prog="turnscale autoscale", description=__doc__.split("\n\n")[0],
                                 epilog="Other arguments are the Hydra overrides given to `turnscale slurm`.")
@@ -90,10 +99,7 @@ def main(argv: Sequence[str] = ()) -> int:
     if args.every <= 0:
         p.error("--every must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = conf.load(overrides)
-    keys = run_keys(cfg)
-    if keys is not None:  # the run's own CURVE keys (turnscale slurm made them): connect with the control pair
-        cfg = conf.load([*overrides, *keys.control_overrides()])
+    cfg = load_config(overrides)
     folder = Path(cfg.slurm.dir)
     try:
         host, port = read_address(folder, cfg.slurm.wait_s)

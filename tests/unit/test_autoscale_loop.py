@@ -193,3 +193,24 @@ def test_a_pool_whose_actors_keep_failing_is_resubmitted_with_exponential_back_o
     now[0] = 395.0
     auto.replace_lost()
     assert b.submitted[-1] == 395.0 and auto.failures["cpu"][0] == 1  # afresh: at once, count restarted
+
+
+def test_autoscale_connects_with_the_runs_own_control_key(tmp_path):
+    """``turnscale slurm`` made the run's CURVE keys (none given): ``turnscale autoscale`` with the
+    same overrides connects as the authorized ``control`` client (its ``LearnerControl`` socket
+    uses CURVE towards the published, non-loopback learner address)."""
+    from turnscale import slurm
+    from turnscale.autoscale import load_config
+    from turnscale.common.curve import actor_curve
+
+    overrides = [f"slurm.dir={tmp_path}", "slurm.pools=[{name:cpu,count:1}]"]
+    assert slurm.main(overrides, runner=lambda cmd: "7\n") == 0
+    cfg = load_config(overrides)
+    assert cfg.actor.curve.secret_key == str(tmp_path / "keys" / "control.key_secret")
+    import dataclasses
+    setup = actor_curve(dataclasses.replace(cfg.actor, learner_host="10.0.0.5"))
+    assert setup is not None and (tmp_path / "keys" / "authorized" / "control.key").exists()
+    auto = build(cfg, "10.0.0.5", 5555)
+    auto.control.close()
+    off = load_config([*overrides, "learner.curve.enabled=false", "actor.curve.enabled=false"])
+    assert off.actor.curve.secret_key == ""
