@@ -23,7 +23,7 @@ from tests.integration import ddp_worker
 def test_two_ranks_on_shares_of_batches_equal_one_process_on_whole_batches(tmp_path, mode):
     model_dir = build_tiny_model(str(tmp_path / "m"), hidden=32, layers=2, vocab=256, intermediate=64)
     out = tmp_path / "ddp.pt"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "TMPDIR": str(tmp_path)}  # torchelastic_*
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), os.path.join(os.path.dirname(__file__), "ddp_worker.py"), model_dir, str(out), mode]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
