@@ -327,10 +327,14 @@ class LearnerService:
                 self._ctx.term()
 
     async def _publish_weights(self, version: int) -> None:
+        """Gather, cast and publish ``version``; ``weights/publish_s`` is the time it took
+        (under ``learner.strategy=fsdp`` the gather runs a layer at a time on every rank)."""
         self.publishing = True
         try:
+            t0 = time.monotonic()
             sd = await trio.to_thread.run_sync(self.parts.weights)
             self.manifest = await trio.to_thread.run_sync(self.parts.publisher.publish, version, sd)
+            self.metrics.add("weights/publish_s", time.monotonic() - t0, "last")
             self._record_egress()
             self.run.publish(version)
             await self._announce()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import trio
@@ -1088,3 +1089,35 @@ def test_groups_the_trainer_drops_as_non_finite_are_reissued_and_ledgered_while_
     assert again.task == second.task  # the dropped group's task is played again
     assert trained_groups == 1
     assert sum(r.get("train/groups_dropped/nonfinite", 0) for r in rows) == 1
+
+
+def test_the_time_each_version_took_to_publish_is_a_metric():
+    cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 0})
+    rows: list[dict] = []
+
+    class Rows:
+        def write(self, step, metrics):
+            rows.append(metrics)
+
+        def close(self):
+            pass
+
+    class SlowPublisher(FakePublisher):
+        def publish(self, version, state_dict):
+            time.sleep(0.05)
+            return super().publish(version, state_dict)
+
+    trainer = FakeTrainer()
+    parts = ServiceParts(trainer=trainer, publisher=SlowPublisher(), weights=dict, schedule=FakeSchedule(), logger=Rows())
+
+    async def script(svc, ctx):
+        req = await client(ctx, cfg)
+        await req.request(Hello(actor_id="a", host="h", pid=1, engine="fake", device="cpu", max_groups=4), timeout_s=5)
+        while svc.step < 2:
+            for lease in (await req.request(LeaseRequest(actor_id="a", max_leases=4), timeout_s=5)).leases:
+                await req.request(make_group(lease, actor_id="a"), timeout_s=5)
+            await trio.sleep(0.01)
+
+    run_service_with(cfg, parts, script)
+    times = [r["weights/publish_s"] for r in rows if "weights/publish_s" in r]
+    assert times and all(t >= 0.05 for t in times)  # version 0's publication is in step 1's row
