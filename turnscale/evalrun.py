@@ -118,13 +118,37 @@ def resolve_model_dir(path: str) -> str:
     if (p / "config.json").is_file():
         return str(p)
     if (p / "model" / "config.json").is_file():
-        return str(p / "model")
+        return _loadable(p)
     steps = sorted((int(c.name[5:]), c) for c in p.glob("step-*") if c.name[5:].isdigit() and (c / "model" / "config.json").is_file()) if p.is_dir() else []
     if steps:
-        return str(steps[-1][1] / "model")
+        return _loadable(steps[-1][1])
     if not p.exists():
         raise EvalRunError(f"--model {path}: no such folder; give a checkpoint or HF model folder (nothing is downloaded)")
     raise EvalRunError(f"--model {path}: no config.json there, in model/, or in a step-N/model/ below it")
+
+
+def _loadable(step: Path) -> str:
+    """The HF folder of the checkpoint ``step``: its ``model/``, or, for a sharded checkpoint
+    (``learner.strategy=fsdp``: ``model/`` holds config and tokenizer only), its policy
+    exported once to ``step/hf/`` (``learner.checkpoint.export_hf``; written to a temporary
+    folder and renamed, so an interrupted export is redone, never half-read)."""
+    if not (step / "sharded").is_dir():
+        return str(step / "model")
+    out = step / "hf"
+    if not (out / "config.json").is_file():
+        import shutil
+        import tempfile
+
+        from turnscale.learner.checkpoint import export_hf
+
+        tmp = tempfile.mkdtemp(prefix=".hf-", dir=step)
+        try:
+            export_hf(str(step), tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
 
 
 # ----------------------------------------------------------------------------- playing

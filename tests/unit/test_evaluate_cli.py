@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,27 @@ def test_model_paths_resolve_to_hf_folders_in_checkpoints(tmp_path):
     assert resolve_model_dir(str(root / "step-00000050")) == str(root / "step-00000050" / "model")
     with pytest.raises(EvalRunError, match="no config.json"):
         resolve_model_dir(str(tmp_path))
+
+
+def test_a_sharded_checkpoint_is_exported_once_and_its_export_evaluated(tmp_path, monkeypatch):
+    """``learner.strategy=fsdp`` checkpoints keep the weights in shards: eval exports the policy
+    to ``step-N/hf`` (the real ``export_hf`` is checked in tests/integration/test_trainer_fsdp.py)."""
+    from turnscale.evalrun import resolve_model_dir
+    from turnscale.learner import checkpoint
+
+    step = tmp_path / "ckpts" / "step-00000003"
+    (step / "model").mkdir(parents=True)
+    (step / "model" / "config.json").write_text("{}")
+    (step / "sharded").mkdir()
+    calls = []
+
+    def fake_export(path, out, dtype="float32"):
+        calls.append(path)
+        (Path(out) / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(checkpoint, "export_hf", fake_export)
+    assert resolve_model_dir(str(tmp_path / "ckpts")) == str(step / "hf")
+    assert resolve_model_dir(str(step)) == str(step / "hf")
+    assert calls == [str(step)]  # exported once, then reused
+    assert sorted(p.name for p in step.iterdir()) == ["hf", "model", "sharded"]  # no temporary folder left
