@@ -28,9 +28,13 @@ def _script(folder: Path, pool: str, constraint: str) -> None:
         "hostname -I | awk '{print $1}'\nexec sleep 600\n")
 
 
-def _where(c: FakeSlurm, pool: str) -> dict[str, str]:
-    """Running array task -> node, from squeue."""
-    out = c.run(["squeue", "-h", "--array", f"--name=ts-actors-{pool}", "--states=RUNNING", "-o", "%i %N"])
+def _where(c: FakeSlurm, pool: str, folder: Path | None = None) -> dict[str, str]:
+    """Running array task -> node, from squeue (by the job name of ``folder``'s pool script:
+    ``turnscale slurm`` names jobs ``ts-actors-<pool>-<run tag>``)."""
+    from turnscale.slurm import job_name
+
+    name = job_name(folder / f"actors-{pool}.sbatch", "") if folder is not None else f"ts-actors-{pool}"
+    out = c.run(["squeue", "-h", "--array", f"--name={name}", "--states=RUNNING", "-o", "%i %N"])
     return {w[0]: w[1] for w in (line.split() for line in out.splitlines()) if len(w) == 2}
 
 
@@ -129,7 +133,7 @@ def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces
         control = hold(LearnerControl(host, port, timeout_s=30))
         wait_started(control)
         first = control.status().actors[0].actor_id
-        where = _where(c, "cpu")
+        where = _where(c, "cpu", run)
         assert len(where) == 1
         victim = next(iter(where.values()))
         other = ({"n2", "n3"} - {victim}).pop()
@@ -152,7 +156,7 @@ def test_node_killed_mid_run_learner_reissues_its_leases_and_autoscaler_replaces
 
         wait_for(lambda: replaced(), 420, "a replacement actor registering")
         assert backend.submitted["cpu"] == 2
-        assert list(_where(c, "cpu").values()) == [other]
+        assert list(_where(c, "cpu", run).values()) == [other]
         wait_for(lambda: control.status().step >= killed_at + 2, 300, "two steps after the node died")
         wait_for(lambda: "expired; re-issued" in learner_log(run), 120, "the dead actor's lease re-issued")
         c.run(["scancel", "--full", job])
