@@ -305,7 +305,7 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 *_pick_ports(("PORT", "PUB_PORT", "WEIGHTS_PORT"), (lc.port, lc.pub_port, lc.weights_port), s.free_ports),
                 *_publish(f"{run}/learner.addr", '"$HOST $PORT"'),
                 *_resume_if_checkpointed(f"{run}/learner/checkpoints"),
-                f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides() if keys else [])} "
+                f"{_q(learner_cmd)} learner {_q(common)} {_q(keys.learner_overrides(pool_ids_per_key(cfg, overrides)) if keys else [])} "
                 '"learner.host=$BIND" "learner.port=$PORT" "learner.pub_port=$PUB_PORT" "learner.weights_port=$WEIGHTS_PORT" '
                 "$RESUME &",
                 "PID=$!", "STOP=0",
@@ -432,7 +432,7 @@ KEYS = "keys"
 class RunKeys:
     """The run's own CURVE key files in ``<slurm.dir>/keys`` (``ensure``, mode 0700; secret
     files 0600): the learner's pair, one pair per pool (``actor-<pool>``; the pool's actors
-    share it, so a pool holds at most ``learner.max_actor_ids_per_key`` live actors), one for
+    share it, and the learner job lets it register the whole pool: ``pool_ids_per_key``), one for
     ``turnscale autoscale`` (``control``), and ``authorized/`` with the pools' and the
     control's public keys.  ``*_overrides`` wire them into each role's command line."""
 
@@ -441,9 +441,12 @@ class RunKeys:
     def _p(self, name: str) -> str:
         return os.path.join(self.folder, name)
 
-    def learner_overrides(self) -> list[str]:
+    def learner_overrides(self, ids_per_key: int = 0) -> list[str]:
+        """The learner's key files and, with ``ids_per_key`` > 0, ``learner.max_actor_ids_per_key``
+        raised to it (``pool_ids_per_key``)."""
+        extra = [f"learner.max_actor_ids_per_key={ids_per_key}"] if ids_per_key > 0 else []
         return [f"learner.curve.secret_key={self._p('learner.key_secret')}",
-                f"learner.curve.authorized={self._p('authorized')}"]
+                f"learner.curve.authorized={self._p('authorized')}", *extra]
 
     def actor_overrides(self, pool: str) -> list[str]:
         return [f"actor.curve.server_key={self._p('learner.key')}",
@@ -485,9 +488,27 @@ def run_keys(cfg: Config) -> RunKeys | None:
     return RunKeys(os.path.join(os.path.abspath(cfg.slurm.dir), KEYS))
 
 
-def check_curve(cfg: Config, pools: dict[str, Config]) -> None:
+def _explicit(overrides: Sequence[str], key: str) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def pool_ids_per_key(cfg: Config, overrides: Sequence[str]) -> int:
+    """With the run's own keys, the actors of a pool share its key: the learner then lets one
+    key register as many actor ids as the largest pool may have (``max(count, max_actors)``),
+    when that is above ``learner.max_actor_ids_per_key`` and the command line does not set the
+    key itself (then ``check_curve`` holds the user to it).  0: nothing to raise.  The bound
+    still holds against any other key: these keys are made by the run and only its jobs read
+    them."""
+    if run_keys(cfg) is None or not cfg.slurm.pools or _explicit(overrides, "learner.max_actor_ids_per_key"):
+        return 0
+    largest = max(max(p.count, p.max_actors) for p in cfg.slurm.pools)
+    return largest if largest > cfg.learner.max_actor_ids_per_key else 0
+
+
+def check_curve(cfg: Config, pools: dict[str, Config], overrides: Sequence[str] = ()) -> None:
     """At generation: with the run's own keys, every pool fits under ``learner.max_actor_ids_per_key``
-    (its actors share one key); with the user's keys, the files load as the jobs will load them
+    (its actors share one key; raised to the largest pool unless the command line sets it:
+    ``pool_ids_per_key``); with the user's keys, the files load as the jobs will load them
     (``CurveConfigError`` names the key and the ``turnscale keys`` command)."""
     import dataclasses
 
@@ -495,6 +516,8 @@ def check_curve(cfg: Config, pools: dict[str, Config]) -> None:
     from turnscale.common.curve import actor_curve, learner_curve
 
     if run_keys(cfg) is not None:
+        if pool_ids_per_key(cfg, overrides):
+            return
         limit = cfg.learner.max_actor_ids_per_key
         for p in cfg.slurm.pools:
             if max(p.count, p.max_actors) > limit:
@@ -601,7 +624,7 @@ def main(argv: Iterable[str] | None = None, runner: Runner = _run) -> int:
     overrides = [a for a in args if a != "--dry-run"]
     try:
         cfg = conf.load(overrides)
-        check_curve(cfg, pool_configs(cfg, overrides))
+        check_curve(cfg, pool_configs(cfg, overrides), overrides)
     except conf.ConfigError as exc:
         print(f"turnscale slurm: {exc}", file=sys.stderr)
         return 2

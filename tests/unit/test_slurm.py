@@ -379,11 +379,17 @@ def test_curve_off_or_the_users_own_keys_make_no_run_keys(tmp_path, capsys):
     assert f"{tmp_path}/run/keys" not in out and f"actor.curve.secret_key={tmp_path}/k/actor-1.key_secret" in out
 
 
-def test_a_pool_larger_than_the_actor_ids_one_key_may_register_is_refused(tmp_path, capsys):
-    assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.pools=[{name:cpu,count:2,max_actors:12}]"]) == 2
-    assert "learner.max_actor_ids_per_key=12" in capsys.readouterr().err
+def test_the_learner_lets_a_pools_shared_run_key_register_the_whole_pool(tmp_path, capsys):
+    """The run's own keys are one per pool: the learner job raises max_actor_ids_per_key to the
+    largest pool; a value the user sets below it is refused, naming the value that fits."""
+    assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.pools=[{name:cpu,count:2,max_actors:12}]"]) == 0
+    learner = next(t for t in capsys.readouterr().out.split("# =====") if "learner.sbatch" in t.splitlines()[0])
+    assert "learner.max_actor_ids_per_key=12" in learner
     assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.pools=[{name:cpu,count:2,max_actors:12}]",
-                       "learner.max_actor_ids_per_key=12"]) == 0
+                       "learner.max_actor_ids_per_key=10"]) == 2
+    assert "learner.max_actor_ids_per_key=12" in capsys.readouterr().err
+    assert slurm.main(["--dry-run", f"slurm.dir={tmp_path}/run", "slurm.pools=[{name:cpu,count:2,max_actors:4}]"]) == 0
+    assert "max_actor_ids_per_key" not in capsys.readouterr().out  # the default (8) holds a pool of 4
 
 
 def test_learner_job_resumes_from_a_checkpoint_in_the_run_folder(tmp_path):
