@@ -111,6 +111,8 @@ log = logging.getLogger("turnscale.actor")
 
 EXIT_CURVE_REFUSED = 3
 """``Actor.run``'s exit code when the learner refuses this actor's CURVE handshake."""
+EXIT_LEARNER_GONE = 4
+"""``Actor.run``'s exit code after ``actor.learner_lost_timeout_s`` without a learner."""
 
 
 PlayGroupFn = Callable[[Lease, list[PooledSession]], Awaitable[TrajectoryGroup]]
@@ -146,6 +148,10 @@ class LearnerLost(Exception):
 
 class CurveRefused(Exception):
     """The learner refused this actor's CURVE handshake (the message says why and what to fix)."""
+
+
+class LearnerGone(Exception):
+    """No learner answered for ``actor.learner_lost_timeout_s``: the actor gives up."""
 
 
 class LearnerStopped(LearnerLost):
@@ -220,6 +226,8 @@ class Actor:
     """This process's ``Hello.token`` (keeps its actor id across reconnects)."""
     _requests: set[trio.CancelScope] = field(default_factory=set)
     """Deadlines of the control requests waiting for a reply (``request_stop`` shortens them)."""
+    _lost_since: float = 0.0
+    """trio time since which no session is registered (``_give_up_without_learner``)."""
     weight_path: WeightPath = field(init=False)
     """Pulls, applies and verifies weights; the only writer of ``applied`` (``actors/weight_path.py``)."""
 
@@ -233,8 +241,9 @@ class Actor:
 
     # ------------------------------------------------------------------ top level
     async def run(self) -> int:
-        """Run until a graceful stop; returns the process exit code (0, or
-        ``EXIT_CURVE_REFUSED`` when the learner refused the CURVE handshake)."""
+        """Run until a graceful stop; returns the process exit code (0, ``EXIT_CURVE_REFUSED``
+        when the learner refused the CURVE handshake, or ``EXIT_LEARNER_GONE`` after
+        ``learner_lost_timeout_s`` without a learner)."""
         self._ctx = zmq.Context()
         code = 0
         try:
@@ -246,6 +255,10 @@ class Actor:
             self.stop_reason = "CURVE refused"
             log.error("%s", eg.exceptions[0])
             code = EXIT_CURVE_REFUSED
+        except* LearnerGone as eg:
+            self.stop_reason = "no learner"
+            log.error("%s", eg.exceptions[0])
+            code = EXIT_LEARNER_GONE
         finally:
             await self._cleanup()
         log.info("actor %s stopped (%s): %s", self.actor_id, self.stop_reason or "done", self.stats)
@@ -287,7 +300,11 @@ class Actor:
             self._ctx.destroy(linger=0)
 
     async def _sessions(self) -> None:
+        """Sessions until a graceful end, reconnecting with capped backoff; ``LearnerGone``
+        after ``learner_lost_timeout_s`` without a registered session (counted from the start,
+        or from the moment the last registered session was lost)."""
         backoff = 0.2
+        self._lost_since = trio.current_time()
         while not self.stopping:
             lost: BaseException | None = None
             sessions = self.stats.sessions
@@ -299,11 +316,21 @@ class Actor:
                 return  # graceful end
             if self.stats.sessions > sessions:
                 backoff = 0.2  # it was registered: start the backoff afresh
+                self._lost_since = trio.current_time()
+            self._give_up_without_learner(lost)
             log.warning("learner lost (%s); reconnecting in %.1fs", lost, backoff)
             with trio.move_on_after(backoff):
                 while not self.stopping:
                     await self._changed.wait()
             backoff = min(backoff * 2, self.cfg.reconnect_max_backoff_s)
+
+    def _give_up_without_learner(self, last: BaseException) -> None:
+        """``LearnerGone`` once ``learner_lost_timeout_s`` passed since ``_lost_since`` (the
+        start, or the loss of the last registered session) with no registration since."""
+        limit = self.cfg.learner_lost_timeout_s
+        if limit > 0 and trio.current_time() - self._lost_since >= limit:
+            raise LearnerGone(f"no learner at {self.cfg.learner_host}:{self.cfg.learner_port} for {limit:.0f}s "
+                              f"(last: {last}); giving up (actor.learner_lost_timeout_s; 0 never gives up)")
 
     # ------------------------------------------------------------------ one session
     def _keys(self) -> CurveKeys | None:
@@ -427,6 +454,7 @@ class Actor:
             except (LearnerLost, RemoteError) as exc:
                 if self.stopping:
                     raise LearnerLost("stopping before registration") from None
+                self._give_up_without_learner(exc)
                 log.info("no Welcome yet (%s); retrying in %.1fs", exc, backoff)
                 with trio.move_on_after(backoff):
                     while not self.stopping:

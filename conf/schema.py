@@ -628,6 +628,12 @@ class ActorConfig:
     reconnect_max_backoff_s: float = 10.0
     """Cap of the exponential backoff between ``Hello`` attempts while the learner is
     unreachable."""
+    learner_lost_timeout_s: float = 1800.0
+    """Give up after this long without a learner (from the start, or since the last session
+    was lost: a learner killed without a goodbye, a node lost): the actor exits with code 4
+    saying so, instead of reconnecting until its job's time limit.  0: never give up.  Long
+    enough by default for a requeued learner job to come back (Slurm holds a requeued job
+    about 2 minutes) and resume from its checkpoint."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, finish running groups for at most this long, then abandon them."""
     stop_timeout_s: float = 3.0
@@ -673,6 +679,7 @@ class ActorConfig:
         _require(bool(self.pool) and self.pool.isprintable() and len(self.pool) <= 256, "actor.pool",
                  "must be a non-empty printable name (at most 256 characters)")
         _require(self.stop_timeout_s > 0, "actor.stop_timeout_s", "must be > 0 seconds")
+        _require(self.learner_lost_timeout_s >= 0, "actor.learner_lost_timeout_s", "must be >= 0 seconds (0: never give up)")
 
 
 @dataclass(kw_only=True)

@@ -741,3 +741,26 @@ def test_a_group_refused_as_busy_is_sent_again_and_trained():
     assert trainer.step == 2 and len(refused) == 4
     assert set(refused) <= taken  # every group refused as busy was accepted when sent again
     assert actor.stats.groups_resent == len(refused)
+
+
+def test_an_actor_without_a_learner_gives_up_after_the_timeout_and_says_why(caplog):
+    """A learner killed without a goodbye (or never started) no longer leaves the actor
+    reconnecting until its job's time limit: exit code 4 after ``actor.learner_lost_timeout_s``."""
+    import logging
+    import socket
+    import time
+
+    from turnscale.actors.actor import EXIT_LEARNER_GONE
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = make_cfg(**{"actor.learner_port": port, "actor.request_timeout_s": 0.3, "actor.reconnect_max_backoff_s": 0.2,
+                      "actor.learner_lost_timeout_s": 1.5})
+    actor = make_actor(cfg, FakeEnvClient(), ChecksumEngine(size=SIZE))
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="turnscale.actor"):
+        assert trio.run(actor.run) == EXIT_LEARNER_GONE
+    assert 1.5 <= time.monotonic() - t0 < 15
+    assert actor.stop_reason == "no learner"
+    assert any("actor.learner_lost_timeout_s" in r.getMessage() for r in caplog.records)
