@@ -110,6 +110,13 @@ class EnvConfig:
     """Instances untouched this long are closed."""
     max_env_steps: int = 0
     """Per-episode env step cap enforced by the server (0: the env's own)."""
+    exit_after_idle_s: float = 0.0
+    """The server exits by itself (its instances closed, exit code 4 as an actor that gave up
+    on its learner) once no env request has arrived for this long, counted from the first
+    one (a server nobody has used yet waits for its clients) and not while a request runs;
+    ``/health`` and ``/metrics`` do not count.  A run whose learner died leaves no actors to
+    call it.  0: never (a server run by hand serving many runs); ``turnscale slurm`` sets
+    ``slurm.envhub_idle_exit_s``."""
     options: dict[str, Any] = field(default_factory=dict)
     """Env-specific options (BabyAI's text and level mix, corpus paths, JVM pool size, ...)."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
@@ -120,6 +127,7 @@ class EnvConfig:
         _require(self.name in ENVS, "env.name", f"unknown env {self.name!r}; choose one of {sorted(ENVS)}")
         _require(0 < self.port < 65536, "env.port", f"{self.port} is not a TCP port")
         _require(self.max_instances > 0, "env.max_instances", "must be > 0")
+        _require(self.exit_after_idle_s >= 0, "env.exit_after_idle_s", f"must be >= 0 seconds (0: never), got {self.exit_after_idle_s}")
 
     @property
     def base_url(self) -> str:
@@ -799,6 +807,10 @@ class SlurmConfig:
     """An external env server (e.g. AgentGym's); empty: an envhub job is submitted."""
     envhub_cpus: int = 2
     """``sbatch --cpus-per-task`` of the envhub job."""
+    envhub_idle_exit_s: float = 1800.0
+    """The envhub job's ``env.exit_after_idle_s``: its server exits once no actor has called it
+    for this long, so it ends even where ``squeue`` cannot say that the learner job is gone
+    (0: never)."""
     wait_s: int = 600
     """How long an actor job waits for the learner's (or envhub's) address file when it does not
     know that job's id (``learner.job`` / ``envhub.job``, written by ``turnscale slurm``): with
@@ -835,6 +847,7 @@ class SlurmConfig:
         _require(self.learner_cpus >= 1 and self.envhub_cpus >= 1 and self.wait_s >= 1, "slurm", "cpus and wait_s must be >= 1")
         _require(self.learner_ranks >= 1, "slurm.learner_ranks", f"must be >= 1, got {self.learner_ranks}")
         _require(self.poll_s >= 1, "slurm.poll_s", f"must be >= 1 second, got {self.poll_s}")
+        _require(self.envhub_idle_exit_s >= 0, "slurm.envhub_idle_exit_s", f"must be >= 0 seconds (0: never), got {self.envhub_idle_exit_s}")
         _require(0 < self.resubmit_backoff_s <= self.resubmit_backoff_max_s, "slurm.resubmit_backoff_s",
                  "needs 0 < resubmit_backoff_s <= resubmit_backoff_max_s")
 

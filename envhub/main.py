@@ -5,9 +5,11 @@ process redirects its stdout to stderr (envs such as minigrid print during level
 generation), raises its open-files limit to fit ``env.limits.max_connections``, serves with
 uvicorn (``envhub.httpserver``: connection, header and keep-alive limits) until
 SIGTERM/SIGINT, then closes every instance and the family, each step bounded
-by ``env.limits.shutdown_timeout_s``, and exits 0.  The exit does not wait for worker
-threads: an env call that overran its deadline may never return, and the interpreter's
-usual exit would join its thread forever.
+by ``env.limits.shutdown_timeout_s``, and exits 0.  With ``env.exit_after_idle_s`` set, it
+also shuts down the same way by itself once no env request has arrived for that long
+(``envhub.server.IdleExit``; it logs why) and exits ``EXIT_IDLE`` (4).  The exit does not
+wait for worker threads: an env call that overran its deadline may never return, and the
+interpreter's usual exit would join its thread forever.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import signal
 import sys
 
 SHORTHANDS = {"host": "env.host", "port": "env.port"}
+EXIT_IDLE = 4
+"""Exit code after ``env.exit_after_idle_s`` without env requests: no learner's actors left
+(the code of an actor that gave up on its learner, ``actors.actor.EXIT_LEARNER_GONE``)."""
 
 
 def rewrite_overrides(argv: list[str]) -> list[str]:
@@ -104,12 +109,19 @@ def serve(env_cfg) -> int:
         sys.setswitchinterval(float(env_cfg.options["switch_interval_s"]))
     raise_open_files_limit(env_cfg.limits.max_connections)
     family = make_family(env_cfg)
-    app = create_app(family, env_cfg, threads=int(env_cfg.options.get("server_threads", 8)))
+    servers: list[_Server] = []
+
+    def stop_serving() -> None:  # IdleExit: the graceful shutdown a SIGTERM starts
+        servers[0].should_exit = True
+
+    app = create_app(family, env_cfg, threads=int(env_cfg.options.get("server_threads", 8)), on_idle=stop_serving)
     config = uvicorn_config(app, env_cfg.host, env_cfg.port, env_cfg.limits)
-    server = _Server(config)
+    servers.append(server := _Server(config))
     logging.getLogger("envhub").info("serving %s on http://%s:%d", env_cfg.name, env_cfg.host, env_cfg.port)
     server.run()
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return EXIT_IDLE if app.state.idle_exit is not None and app.state.idle_exit.fired else 0
 
 
 if __name__ == "__main__":

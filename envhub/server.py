@@ -54,6 +54,9 @@ Routes (both faces unless noted):
 - ``GET /health`` and ``GET /`` -> ``{"status": "ok", "env", "instances"}`` (200 once ready)
 - ``GET /metrics`` -> counters, errors by code, latency percentiles per operation
 
+With ``env.exit_after_idle_s`` set, the server ends by itself once no env request (any route
+above but ``/health``, ``/`` and ``/metrics``) has arrived for that long: ``IdleExit``.
+
 Errors on ``/v1`` are real status codes with ``{"error": {"code", "message"}}``: 404 unknown /
 closed / expired id or route, 405 wrong method, 413 body too large, 422 malformed body (too
 deep, too many values, not JSON, lone surrogates) or missing field, 409 step before reset or
@@ -87,7 +90,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -414,23 +417,74 @@ AGENTGYM_EXTRA: tuple[tuple[str, list[str]], ...] = (
 _PATHS = frozenset([p for p, _, _ in _OPS] + [V1 + p for p, _, _ in _OPS] + [p for p, _ in AGENTGYM_EXTRA] + ["/", V1 + "/step_batch"])
 
 
+_NOT_ENV_REQUESTS = frozenset(["/", "/health", "/metrics", V1 + "/health", V1 + "/metrics"])
+"""Routes that do not count as a client's use for ``IdleExit`` (probes, supervisors)."""
+
+
+class IdleExit:
+    """Ends a server that no client calls any more (``env.exit_after_idle_s``): a run whose
+    learner died leaves no actors to call it, and nothing else tells the envhub.
+
+    ``begin``/``end`` bracket every env request (``_Timing``: a route of ``_PATHS`` outside
+    ``_NOT_ENV_REQUESTS``; an unknown route, a port scan, does not count).  The clock starts
+    at the first env request (a server nobody has used yet waits for its clients: actor jobs
+    may be queued far longer than the limit) and does not run while a request runs.
+    ``watch`` (a task of the app's lifespan) logs why, sets ``fired`` (``serve`` then exits
+    ``EXIT_IDLE``) and calls ``on_idle`` once (``serve``: uvicorn's graceful shutdown, which
+    ends the lifespan: instances closed, then the family)."""
+
+    def __init__(self, limit_s: float, on_idle: Callable[[], None]) -> None:
+        self.limit_s, self.on_idle = limit_s, on_idle
+        self.running = 0
+        self.last: float | None = None
+        """``time.monotonic()`` when the last env request began or ended; None before the first."""
+        self.fired = False
+
+    def begin(self) -> None:
+        self.running += 1
+        self.last = time.monotonic()
+
+    def end(self) -> None:
+        self.running -= 1
+        self.last = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since the last env request ended; 0 while one runs or before the first."""
+        if self.running or self.last is None:
+            return 0.0
+        return time.monotonic() - self.last
+
+    async def watch(self) -> None:
+        while self.idle_s() < self.limit_s:
+            await asyncio.sleep(min(1.0, self.limit_s / 4))
+        self.fired = True
+        log.warning("no request for %g s (env.exit_after_idle_s): no learner's actors left; exiting", self.limit_s)
+        self.on_idle()
+
+
 class _Timing:
     """ASGI middleware: request latency per route into the table's metrics; sets ``CALLER``
-    (the peer address env calls are charged to) for the request."""
+    (the peer address env calls are charged to) for the request; brackets env requests for
+    ``idle`` (``IdleExit``, when set)."""
 
-    def __init__(self, app: Any, table: InstanceTable) -> None:
-        self.app, self.table = app, table
+    def __init__(self, app: Any, table: InstanceTable, idle: IdleExit | None = None) -> None:
+        self.app, self.table, self.idle = app, table, idle
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         client = scope.get("client")
         CALLER.set(client[0] if client else "?")
+        path = scope.get("path", "")
+        idle = self.idle if path in _PATHS and path not in _NOT_ENV_REQUESTS else None
+        if idle is not None:
+            idle.begin()
         t0 = time.perf_counter()
         try:
             await self.app(scope, receive, send)
         finally:
-            path = scope.get("path", "")
+            if idle is not None:
+                idle.end()
             self.table.latency["http " + (path if path in _PATHS else "other")].add(time.perf_counter() - t0)
 
 
@@ -457,18 +511,23 @@ async def _close_family(family: EnvFamily, timeout_s: float) -> None:
         log.warning("shutdown: closing the env family took over %.3g s; leaving it", timeout_s)
 
 
-def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
+def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32, on_idle: Callable[[], None] | None = None) -> Starlette:
     """The ASGI app serving ``family`` with the limits of ``cfg`` (``conf.schema.EnvConfig``).
 
-    Startup starts the idle sweeper and the event-loop lag monitor; shutdown closes every
+    Startup starts the idle sweeper, the event-loop lag monitor and, with
+    ``cfg.exit_after_idle_s`` and ``on_idle`` (how to stop serving) both given, the
+    ``IdleExit`` watch (``app.state.idle_exit``, else None); shutdown stops them, closes every
     instance, then the family.
     """
     table = InstanceTable(family, max_instances=cfg.max_instances, idle_timeout_s=cfg.idle_timeout_s, max_env_steps=cfg.max_env_steps, threads=threads,
                           limits=cfg.limits)
+    idle = IdleExit(cfg.exit_after_idle_s, on_idle) if cfg.exit_after_idle_s > 0 and on_idle is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         tasks = [asyncio.create_task(table.sweeper(), name="idle-sweeper"), asyncio.create_task(table.loop_monitor(), name="loop-monitor")]
+        if idle is not None:
+            tasks.append(asyncio.create_task(idle.watch(), name="idle-exit"))
         try:
             yield
         finally:
@@ -476,6 +535,7 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            log.info("shutdown: closing %d env instance(s), then the %s family", len(table.instances), family.name)
             await table.close_all()
             await _close_family(family, table.limits.shutdown_timeout_s)
 
@@ -486,5 +546,6 @@ def create_app(family: EnvFamily, cfg: Any, *, threads: int = 32) -> Starlette:
     handlers = {ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.table = table
-    app.add_middleware(_Timing, table=table)
+    app.state.idle_exit = idle
+    app.add_middleware(_Timing, table=table, idle=idle)
     return app

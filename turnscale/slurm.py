@@ -330,7 +330,8 @@ def render(cfg: Config, overrides: Sequence[str], cwd: str = "") -> Scripts:
                 *_host_lines(s.interface),
                 *_pick_ports(("PORT",), (cfg.env.port,), s.free_ports),
                 *_publish(f"{run}/envhub.url", '"http://$HOST:$PORT"'),
-                f'start() {{ {_q(py)} envhub {_q(common)} "host=$BIND" "port=$PORT" & PID=$!; }}',
+                f'start() {{ {_q(py)} envhub {_q(common)} "host=$BIND" "port=$PORT" "env.exit_after_idle_s={s.envhub_idle_exit_s:g}" '
+                '& PID=$!; }  # it also ends by itself once no actor has called it for that long (no squeue needed)',
                 *_supervise(done)]
         files["envhub.sbatch"] = "\n".join(env) + "\n"
 

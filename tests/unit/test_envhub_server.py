@@ -10,7 +10,7 @@ from turnscale.envhub.base import EnvBusy, ResetResult, StepResult
 from turnscale.common.envclient import EnvBusyError
 from turnscale.common.envclient import _decode as client_decode
 from turnscale.envhub.main import rewrite_overrides
-from turnscale.envhub.server import create_app
+from turnscale.envhub.server import IdleExit, create_app
 
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
@@ -60,6 +60,7 @@ class Cfg:
     max_instances = 3
     idle_timeout_s = 60.0
     max_env_steps = 0
+    exit_after_idle_s = 0.0
     limits = ServerLimits()
 
 
@@ -275,3 +276,29 @@ def test_the_server_raises_its_open_files_limit_to_fit_its_connections():
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == 1024 + 256
+
+
+def test_idle_exit_clock_starts_at_the_first_env_request_and_stands_still_while_one_runs():
+    """``env.exit_after_idle_s``'s clock (the real process: tests/integration/test_envhub_idle_exit.py)."""
+    idle = IdleExit(5.0, lambda: None)
+    assert idle.idle_s() == 0.0  # nobody has used it yet: the actors may still be queued
+    idle.begin()
+    idle.last -= 100.0
+    assert idle.idle_s() == 0.0  # a long env call is use
+    idle.end()
+    assert 0.0 <= idle.idle_s() < 5.0
+    idle.last -= 10.0
+    assert idle.idle_s() >= 10.0
+
+
+def test_health_and_metrics_are_not_env_requests_for_the_idle_clock():
+    class Idle(Cfg):
+        exit_after_idle_s = 3600.0
+
+    with TestClient(create_app(FakeFamily(), Idle(), on_idle=lambda: None), raise_server_exceptions=False) as c:
+        idle = c.app.state.idle_exit
+        for path in ("/health", "/", "/metrics", "/v1/health", "/v1/metrics", "/no-such-route"):
+            c.get(path)
+        assert idle.last is None
+        c.post("/v1/create", json={})
+        assert idle.last is not None and idle.running == 0

@@ -57,6 +57,17 @@ def test_an_external_env_url_replaces_the_envhub_job(tmp_path):
     assert "envhub.url" not in s.files["actors-cpu.sbatch"]
 
 
+def test_envhub_job_exits_after_slurm_envhub_idle_exit_s_without_env_requests(tmp_path):
+    """Where ``squeue`` cannot tell the envhub job that the learner job is gone, the envhub
+    itself ends once no actor has called it for ``slurm.envhub_idle_exit_s``
+    (``env.exit_after_idle_s``, #32 item 4)."""
+    assert '"env.exit_after_idle_s=1800"' in render(tmp_path).files["envhub.sbatch"]
+    envhub = render(tmp_path, "slurm.envhub_idle_exit_s=90").files["envhub.sbatch"]
+    start = next(line for line in envhub.splitlines() if line.startswith("start()"))
+    assert start.index('"port=$PORT"') < start.index('"env.exit_after_idle_s=90"')
+    assert "exit_after_idle_s" not in render(tmp_path).files["actors-cpu.sbatch"]
+
+
 def test_every_generated_script_is_valid_bash(tmp_path):
     for name, text in render(tmp_path).files.items():
         p = tmp_path / name
