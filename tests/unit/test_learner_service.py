@@ -91,6 +91,19 @@ async def client(ctx, cfg):
     return Requester(AsyncSocket(d))
 
 
+class RowLogger:
+    """A metrics logger that appends each step's reduced metrics to ``rows``."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def write(self, step, metrics):
+        self.rows.append(metrics)
+
+    def close(self):
+        pass
+
+
 def run_service_with(cfg, parts, script):
     """Run the service and ``script(service, ctx)`` concurrently; bounded in time."""
     svc = LearnerService(cfg, parts)
@@ -308,14 +321,7 @@ def test_group_fresh_on_arrival_but_stale_when_its_batch_forms_is_dropped_counte
     cfg = make_cfg(**{"learner.steps": 3, "learner.max_staleness": 1, "learner.groups_per_step": 1})
     trainer, rows = GateTrainer(block_step=2), []
 
-    class Rows:
-        def write(self, step, metrics):
-            rows.append(metrics)
-
-        def close(self):
-            pass
-
-    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(), logger=Rows())
+    parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(), logger=RowLogger(rows))
 
     async def script(svc, ctx):
         req = await client(ctx, cfg)
@@ -360,15 +366,8 @@ def test_a_group_whose_trajectory_log_write_fails_is_still_trained_exactly_once(
 
     rows = []
 
-    class Rows:
-        def write(self, step, metrics):
-            rows.append(metrics)
-
-        def close(self):
-            pass
-
     parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
-                         trajlog=BrokenLog(), logger=Rows())
+                         trajlog=BrokenLog(), logger=RowLogger(rows))
 
     async def script(svc, ctx):
         req = await client(ctx, cfg)
@@ -405,14 +404,7 @@ def test_a_step_the_trainer_refuses_publishes_nothing():
 
     trainer, pub, rows = NanOnce(), FakePublisher(), []
 
-    class Rows:
-        def write(self, step, metrics):
-            rows.append(metrics)
-
-        def close(self):
-            pass
-
-    parts = ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule(), logger=Rows())
+    parts = ServiceParts(trainer=trainer, publisher=pub, weights=dict, schedule=FakeSchedule(), logger=RowLogger(rows))
 
     async def script(svc, ctx):
         req = await client(ctx, cfg)
@@ -1063,16 +1055,9 @@ def test_groups_the_trainer_drops_as_non_finite_are_reissued_and_ledgered_while_
         def write_batch_entry(self, group, *, outcome, **kw):
             ledger.append((group.lease_id, outcome, kw["step"]))
 
-    class Rows:
-        def write(self, step, metrics):
-            rows.append(metrics)
-
-        def close(self):
-            pass
-
     trainer = DropsSecond()
     parts = ServiceParts(trainer=trainer, publisher=FakePublisher(), weights=dict, schedule=FakeSchedule(),
-                         trajlog=Ledger(), logger=Rows())
+                         trajlog=Ledger(), logger=RowLogger(rows))
 
     async def script(svc, ctx):
         req = await client(ctx, cfg)
@@ -1095,20 +1080,13 @@ def test_the_time_each_version_took_to_publish_is_a_metric():
     cfg = make_cfg(**{"learner.steps": 2, "learner.max_staleness": 0})
     rows: list[dict] = []
 
-    class Rows:
-        def write(self, step, metrics):
-            rows.append(metrics)
-
-        def close(self):
-            pass
-
     class SlowPublisher(FakePublisher):
         def publish(self, version, state_dict):
             time.sleep(0.05)
             return super().publish(version, state_dict)
 
     trainer = FakeTrainer()
-    parts = ServiceParts(trainer=trainer, publisher=SlowPublisher(), weights=dict, schedule=FakeSchedule(), logger=Rows())
+    parts = ServiceParts(trainer=trainer, publisher=SlowPublisher(), weights=dict, schedule=FakeSchedule(), logger=RowLogger(rows))
 
     async def script(svc, ctx):
         req = await client(ctx, cfg)
